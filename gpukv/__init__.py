@@ -1,0 +1,36 @@
+"""gpukv: the KV-cache prefix-reuse index of an LLM serving engine, on the GPU.
+
+Token sequences are cut into blocks; a radix tree of blocks, kept as flat
+device tables, records which KV pages are cached, one page slot per (block,
+life cycle), each page with the number of leading tokens it covers. A scheduler
+asks, for a whole batch at once, how many leading tokens of each request are
+reusable (``KVCacheManager.match_batch``).
+"""
+
+from .arena import TokenSequence
+from .backend import BackendError
+from .config import Attention, CacheConfig, ConfigError, Ssm
+from .hashing import gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
+from .manager import KVCacheManager
+from .matching import BatchMatch
+from .scope import ReuseScope
+from .tokens import TokenError
+from .tree import BlockRef
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Attention",
+    "BackendError",
+    "BatchMatch",
+    "BlockRef",
+    "CacheConfig",
+    "ConfigError",
+    "KVCacheManager",
+    "ReuseScope",
+    "Ssm",
+    "TokenError",
+    "TokenSequence",
+    "gen_multimodal_cache_key_tokens",
+    "sequence_to_blockchain_keys",
+]

@@ -1,0 +1,177 @@
+"""Backend selection: where the tables live and what the kernels compile for.
+
+Three backends share one kernel source:
+
+- ``cpu``: NumPy arrays; kernels compiled with ``numba.njit`` (``prange`` over items).
+- ``cuda``: CuPy arrays on the GPU; kernels compiled with ``numba.cuda.jit``.
+- ``cudasim``: NumPy arrays; the ``numba.cuda`` kernels run in Numba's CUDA
+  simulator. Slow, for tests on machines without a GPU.
+
+``auto`` picks ``cuda`` when a GPU, CuPy and Numba's CUDA target are usable and
+``cpu`` otherwise; the environment variable ``GPUKV_BACKEND`` overrides ``auto``.
+
+The simulator is chosen by ``NUMBA_ENABLE_CUDASIM=1`` when ``numba`` is first
+imported, so one process runs either real CUDA or the simulator, never both.
+``gpukv`` sets that variable itself when ``GPUKV_BACKEND=cudasim`` is in the
+environment at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+if os.environ.get("GPUKV_BACKEND") == "cudasim":
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+# Numba's on-disk cache: a second process loads compiled kernels instead of
+# recompiling them. Keep it out of the (possibly read-only) package folder.
+os.environ.setdefault(
+    "NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "gpukv-numba")
+)
+
+BACKENDS = ("auto", "cpu", "cuda", "cudasim")
+
+
+class BackendError(RuntimeError):
+    """The requested backend cannot run in this process."""
+
+
+def simulator_enabled() -> bool:
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_usable() -> bool:
+    """True when a real GPU, CuPy and Numba's CUDA target all work here."""
+    if simulator_enabled():
+        return False
+    try:
+        import cupy
+        from numba import cuda
+
+        return bool(cuda.is_available()) and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # any import or driver failure means: no usable GPU
+        return False
+
+
+def resolve(name: str | None) -> str:
+    """Turn a backend request into ``cpu``, ``cuda`` or ``cudasim``."""
+    if name is None:
+        name = "auto"
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        name = os.environ.get("GPUKV_BACKEND", "auto")
+        if name not in BACKENDS:
+            raise ValueError(f"GPUKV_BACKEND must be one of {BACKENDS}, got {name!r}")
+        if name == "auto":
+            return "cuda" if cuda_usable() else "cpu"
+    if name == "cudasim" and not simulator_enabled():
+        raise BackendError(
+            "backend 'cudasim' needs NUMBA_ENABLE_CUDASIM=1 (or GPUKV_BACKEND=cudasim) "
+            "in the environment before numba is imported"
+        )
+    if name == "cuda" and not cuda_usable():
+        raise BackendError("backend 'cuda' needs a GPU with CuPy and numba-cuda working")
+    return name
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where arrays live (``xp``) and which kernel target runs on them."""
+
+    name: str
+
+    @property
+    def target(self) -> str:
+        """Kernel target: ``cpu`` (njit) or ``cuda`` (cuda.jit, real or simulated)."""
+        return "cpu" if self.name == "cpu" else "cuda"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.name == "cuda"
+
+    @property
+    def xp(self):
+        if self.on_gpu:
+            import cupy
+
+            return cupy
+        return np
+
+    def to_host(self, a):
+        """A NumPy view or copy of a backend array."""
+        if self.on_gpu and not isinstance(a, np.ndarray):
+            return a.get()
+        return a
+
+    def to_device(self, a):
+        """A backend array holding ``a`` (no copy when already there)."""
+        if self.on_gpu:
+            import cupy
+
+            return cupy.asarray(a)
+        return np.asarray(a)
+
+    def synchronize(self):
+        if self.on_gpu:
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+
+
+def get_backend(name: str | None = "auto") -> Backend:
+    return Backend(resolve(name))
+
+
+def device_jit(target: str, inline: bool = True):
+    """The decorator that turns a plain per-item helper into target code.
+
+    ``cpu``: a ``numba.njit`` function, inlined into its callers unless
+    ``inline=False`` (large, rarely hot helpers compile faster as calls). Only
+    kernels are cached on disk (``bind_globals``); a cached kernel carries the
+    compiled code of every helper it calls.
+    ``cuda``: a ``numba.cuda.jit(device=True)`` function.
+    Helpers refer to each other through the closure of the builder that
+    decorates them, so one Python source serves both targets.
+    """
+    if target == "cpu":
+        from numba import njit
+
+        how = "always" if inline else "never"
+        return lambda f: njit(inline=how, nogil=True)(f)
+    if target == "cuda":
+        from numba import cuda
+
+        return lambda f: cuda.jit(device=True)(f)
+    raise ValueError(f"unknown kernel target {target!r}")
+
+
+def bind_globals(f, **names):
+    """A copy of the module-level kernel ``f`` that sees ``names`` as globals.
+
+    Kernels reach their helpers as globals, not closure cells: Numba keys its
+    disk cache on the pickled closure, and a pickled dispatcher carries a new
+    random id in every process, so a kernel closing over helpers would never
+    hit the cache. Under the simulator ``cuda`` must be a global too: the
+    simulator swaps in its fake module only where a kernel's globals name it.
+    """
+    import types
+
+    g = dict(f.__globals__)
+    g.update(names)
+    return types.FunctionType(f.__code__, g, f.__name__, f.__defaults__)
+
+
+def quiet_simulator():
+    """The simulator runs kernels on NumPy scalars, whose wrapping uint64
+    arithmetic warns; the wrap is intended (it is what the GPU does)."""
+    if simulator_enabled():
+        warnings.filterwarnings("ignore", category=RuntimeWarning, message="overflow")

@@ -1,0 +1,175 @@
+"""Configuration: layer specs, the life-cycle registry and ``CacheConfig``.
+
+Layers with equal specs share one *life cycle* (semantics.md §1.5): the unit
+that owns a page pool, a page slot per tree block and a coverage rule. Ids are
+given 0, 1, ... in order of first appearance in ``CacheConfig.layers``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import numpy as np
+
+from .backend import BACKENDS
+
+# Life-cycle kinds as the kernels see them.
+KIND_FULL = 0  # full attention: every block up to the endpoint must be covered
+KIND_SWA = 1  # sliding-window attention: only sink and in-window blocks
+KIND_SSM = 2  # recurrent state: the endpoint must be exactly a checkpoint
+
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Attention:
+    """An attention layer: full (``window=None``) or sliding-window."""
+
+    window: int | None = None
+    sink_tokens: int = 0
+
+    def __post_init__(self):
+        if self.window is not None and (
+            not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1
+        ):
+            raise ConfigError(f"Attention.window must be None or a positive int, got {self.window!r}")
+        if not isinstance(self.sink_tokens, int) or isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
+            raise ConfigError(f"Attention.sink_tokens must be a non-negative int, got {self.sink_tokens!r}")
+        if self.sink_tokens and self.window is None:
+            raise ConfigError("Attention.sink_tokens is only allowed with a window")
+
+
+@dataclass(frozen=True)
+class Ssm:
+    """A recurrent-state (SSM) layer. All SSM layers share one life cycle."""
+
+
+LayerSpec = Union[Attention, Ssm]
+
+
+@dataclass(frozen=True)
+class LifeCycle:
+    """The reuse rule of one life cycle, as stored in the kernels' tables."""
+
+    kind: int
+    window: int  # 0 when the kind has no window
+    num_sink_blocks: int
+
+    @property
+    def is_attention(self) -> bool:
+        return self.kind != KIND_SSM
+
+    def stale_range(self, history: int, tokens_per_block: int) -> tuple[int, int]:
+        """Blocks ``[start, end)`` an endpoint at ``history`` does not read (§1.5)."""
+        T = tokens_per_block
+        if self.kind == KIND_SSM:
+            return 0, history // T
+        start = min(-(-history // T), self.num_sink_blocks)
+        if self.kind == KIND_FULL:
+            return start, start
+        # The +1: attention runs for at least the token at position `history`,
+        # so the live window is [history + 1 - W, history].
+        return start, max(start, (history + 1 - self.window) // T)
+
+
+def life_cycle_of(spec: LayerSpec, tokens_per_block: int) -> LifeCycle:
+    if isinstance(spec, Ssm):
+        return LifeCycle(KIND_SSM, 0, 0)
+    if spec.window is None:
+        return LifeCycle(KIND_FULL, 0, 0)
+    return LifeCycle(KIND_SWA, spec.window, math.ceil(spec.sink_tokens / tokens_per_block))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    tokens_per_block: int = 32
+    layers: Sequence[LayerSpec] = field(default_factory=lambda: (Attention(),))
+    pages_per_life_cycle: int | Sequence[int] = 4096
+    page_bytes: int = 0
+    enable_partial_reuse: bool = True
+    commit_min_snapshot: bool = False
+    reuse_match_backoff: int = 0
+    max_kv_event_entries: int = 0
+    backend: str = "auto"
+    host_pages_per_life_cycle: int | Sequence[int] = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+        self.validate()
+
+    # -- validation ------------------------------------------------------
+    def validate(self):
+        def positive_int(name, v, minimum=1):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < minimum:
+                raise ConfigError(f"{name} must be an int >= {minimum}, got {v!r}")
+
+        positive_int("tokens_per_block", self.tokens_per_block)
+        if self.tokens_per_block > 4096:
+            raise ConfigError(f"tokens_per_block must be at most 4096, got {self.tokens_per_block}")
+        for i, spec in enumerate(self.layers):
+            if not isinstance(spec, (Attention, Ssm)):
+                raise ConfigError(f"layers[{i}] must be gpukv.Attention or gpukv.Ssm, got {spec!r}")
+        for name in ("pages_per_life_cycle", "host_pages_per_life_cycle"):
+            v = getattr(self, name)
+            per = [v] * len(self.life_cycles) if isinstance(v, (int, np.integer)) else list(v)
+            if len(per) != len(self.life_cycles):
+                raise ConfigError(
+                    f"{name} must be an int or one int per life cycle ({len(self.life_cycles)}), got {v!r}"
+                )
+            for x in per:
+                positive_int(name, x, minimum=0)
+        positive_int("page_bytes", self.page_bytes, minimum=0)
+        positive_int("reuse_match_backoff", self.reuse_match_backoff, minimum=0)
+        if not isinstance(self.max_kv_event_entries, (int, np.integer)) or isinstance(self.max_kv_event_entries, bool):
+            raise ConfigError(f"max_kv_event_entries must be an int, got {self.max_kv_event_entries!r}")
+        for name in ("enable_partial_reuse", "commit_min_snapshot"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.ssm_life_cycle_id is not None and not self.commit_min_snapshot:
+            raise ConfigError("commit_min_snapshot must be True when an Ssm layer exists")
+
+    # -- the life-cycle registry (§1.5) ------------------------------------
+    @property
+    def life_cycle_specs(self) -> tuple[LayerSpec, ...]:
+        """The distinct layer specs by life-cycle id (first appearance order)."""
+        seen: dict[LifeCycle, LayerSpec] = {}
+        for spec in self.layers:
+            seen.setdefault(life_cycle_of(spec, self.tokens_per_block), spec)
+        return tuple(seen.values())
+
+    @property
+    def life_cycles(self) -> tuple[LifeCycle, ...]:
+        seen: dict[LifeCycle, None] = {}
+        for spec in self.layers:
+            seen.setdefault(life_cycle_of(spec, self.tokens_per_block), None)
+        return tuple(seen)
+
+    @property
+    def ssm_life_cycle_id(self) -> int | None:
+        for i, lc in enumerate(self.life_cycles):
+            if lc.kind == KIND_SSM:
+                return i
+        return None
+
+    def pages_per_life_cycle_list(self, host: bool = False) -> list[int]:
+        v = self.host_pages_per_life_cycle if host else self.pages_per_life_cycle
+        if isinstance(v, (int, np.integer)):
+            return [int(v)] * len(self.life_cycles)
+        return [int(x) for x in v]
+
+    def life_cycle_arrays(self):
+        """(kind, window, num_sink_blocks) int64 arrays, index = life-cycle id."""
+        lcs = self.life_cycles
+        return (
+            np.array([lc.kind for lc in lcs], dtype=np.int64),
+            np.array([lc.window for lc in lcs], dtype=np.int64),
+            np.array([lc.num_sink_blocks for lc in lcs], dtype=np.int64),
+        )

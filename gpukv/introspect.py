@@ -1,0 +1,290 @@
+"""White-box hooks for tests and for a person at a debugger.
+
+Everything here reads (or, for test blocks, drives) the device tables directly,
+the same way on every backend, so one test runs against all of them. Not
+thread-safe and not meant for a serving hot path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from .kernels.sha256 import int64x4_to_digest
+from .layout import (
+    BLK_DIGEST,
+    BLK_FIRST_CHILD,
+    BLK_FLAGS,
+    BLK_HASH_NEXT,
+    BLK_KEY,
+    BLK_NEXT_SIBLING,
+    BLK_NUM_CHILDREN,
+    BLK_NUM_TOKENS,
+    BLK_ORDINAL,
+    BLK_PARENT,
+    BLK_SCOPE,
+    BLOCKS,
+    FLAG_ATTACHED,
+    FLAG_IN_USE,
+    FLAG_ROOT,
+    LOG,
+    NULL,
+    PAGE_BLOCK,
+    PAGE_COMMITTED,
+    PAGE_COVERAGE,
+    PAGE_LIFE_CYCLE,
+    PAGE_STATE,
+    PAGES,
+    SLOT_COVERAGE,
+    SLOT_PAGE,
+    SLOTS,
+)
+from .tree import BlockRef
+
+
+def tables(mgr) -> dict:
+    """The device tables as NumPy structured arrays with named fields.
+
+    ``blocks``, ``slots`` (row = block * num_life_cycles + life cycle),
+    ``pages`` and ``log``; ``tokens`` is the plain [rows, T] token array."""
+    t = mgr._tables
+    h = t.backend.to_host
+    return {
+        "blocks": BLOCKS.view(h(t.blocks)),
+        "tokens": np.array(h(t.tokens)),
+        "slots": SLOTS.view(h(t.slots)),
+        "pages": PAGES.view(h(t.pages)),
+        "log": LOG.view(h(t.log)),
+    }
+
+
+# -- test blocks --------------------------------------------------------------------------
+def make_test_block(mgr, tokens, coverage_per_life_cycle, parent=None, scope=None) -> BlockRef:
+    """A real tree block (under ``parent`` or the scope's root) with fresh pages
+    of the given per-life-cycle coverage (0 = no page), installed by the
+    strictly-wider rule. Returns a ``BlockRef``."""
+    L = len(mgr.config.life_cycles)
+    cov = list(coverage_per_life_cycle)
+    if len(cov) != L:
+        raise ValueError(f"coverage_per_life_cycle needs one entry per life cycle ({L}), got {len(cov)}")
+    n = len(tokens)
+    for lc, c in enumerate(cov):
+        if not isinstance(c, (int, np.integer)) or not 0 <= c <= n:
+            raise ValueError(f"coverage of life cycle {lc} must be in 0..{n}, got {c!r}")
+    block, _ = mgr._tree.add(tokens, parent=parent, scope=scope)
+    for lc, c in enumerate(cov):
+        if c:
+            mgr._tree.add_page(block, lc, int(c))
+    return block
+
+
+def test_block_key(mgr, block: BlockRef) -> bytes:
+    mgr._tree.resolve(block)
+    return block.key
+
+
+def close_test_block(mgr, block: BlockRef):
+    """Unlink and release every page of a test block (each death runs §2.7)."""
+    r = mgr._tree.resolve(block)
+    for lc in range(len(mgr.config.life_cycles)):
+        p = int(mgr._backend.to_host(mgr._tables.slots[r * len(mgr.config.life_cycles) + lc, SLOT_PAGE]))
+        if p != NULL:
+            mgr._tree.page_death(p)
+
+
+def page_of(mgr, block: BlockRef, life_cycle_id: int):
+    """``(page_id, coverage)`` in the block's slot, or None."""
+    r = mgr._tree.resolve(block)
+    L = len(mgr.config.life_cycles)
+    p, c = mgr._backend.to_host(mgr._tables.slots[r * L + life_cycle_id])
+    return None if p == NULL else (int(p), int(c))
+
+
+# -- matching ---------------------------------------------------------------------------------
+def reuse_match_pages(mgr, tokens, life_cycle_id, scope=None, enable_partial=False):
+    """Run the match (pruned, no backoff) and return
+    ``(num_tokens, [None | (page_id, coverage) for each matched block])``."""
+    L = len(mgr.config.life_cycles)
+    if not isinstance(life_cycle_id, (int, np.integer)) or not 0 <= life_cycle_id < L:
+        raise ValueError(f"life_cycle_id must be in 0..{L - 1}, got {life_cycle_id!r}")
+    m = mgr._matcher.match([tokens], scope, partial=bool(enable_partial), backoff=0).to_host()
+    slots = mgr._backend.to_host(mgr._tables.slots)
+    pages = []
+    for r in m.blocks(0):
+        p, c = slots[int(r) * L + life_cycle_id]
+        pages.append(None if p == NULL else (int(p), int(c)))
+    return int(m.num_tokens[0]), pages
+
+
+# -- sanity ---------------------------------------------------------------------------------
+def check_sanity(mgr):
+    """Verify the tree and slot invariants of semantics.md §3 (1-7, 10).
+
+    Raises AssertionError naming the broken invariant."""
+    t = tables(mgr)
+    blocks, toks, slots, pages = t["blocks"], t["tokens"], t["slots"], t["pages"]
+    raw = mgr._backend.to_host(mgr._tables.blocks)
+    T = mgr.config.tokens_per_block
+    L = len(mgr.config.life_cycles)
+    tree = mgr._tree
+    in_use = np.nonzero(raw[:, BLK_FLAGS] & FLAG_IN_USE)[0]
+
+    def fail(n, msg):
+        raise AssertionError(f"invariant {n} broken: {msg}")
+
+    # The child index holds exactly the attached blocks and the roots.
+    indexed = set()
+    buckets = mgr._backend.to_host(mgr._tables.buckets)
+    for b in range(buckets.size):
+        r = buckets[b]
+        while r != NULL:
+            if raw[r, BLK_KEY] & (buckets.size - 1) != b:
+                fail(2, f"row {r} is chained in bucket {b} but its key belongs elsewhere")
+            indexed.add(int(r))
+            r = raw[r, BLK_HASH_NEXT]
+    for r in in_use:
+        flags = raw[r, BLK_FLAGS]
+        attached = bool(flags & FLAG_ATTACHED)
+        if attached != (int(r) in indexed):
+            fail(5 if not attached else 2, f"row {r}: attached={attached} but indexed={int(r) in indexed}")
+        if flags & FLAG_ROOT:
+            scope = _scope_of(tree, raw[r, BLK_SCOPE])
+            if int64x4_to_digest(raw[r, BLK_DIGEST:BLK_DIGEST + 4]) != hashlib.sha256(scope.to_bytes()).digest():
+                fail(1, f"root row {r} is not keyed by SHA256 of its scope bytes")
+            if raw[r, BLK_NUM_CHILDREN] == 0:
+                fail(1, f"root row {r} has no children outside an operation")
+            continue
+        if not attached:
+            if raw[r, BLK_PARENT] != NULL:
+                fail(5, f"orphan row {r} still names parent {raw[r, BLK_PARENT]}")
+            continue
+        p = raw[r, BLK_PARENT]
+        n = raw[r, BLK_NUM_TOKENS]
+        if not (raw[p, BLK_FLAGS] & FLAG_IN_USE and raw[p, BLK_FLAGS] & FLAG_ATTACHED):
+            fail(2, f"row {r}'s parent {p} is not an attached block")
+        if raw[r, BLK_ORDINAL] != raw[p, BLK_ORDINAL] + 1:
+            fail(2, f"row {r} has ordinal {raw[r, BLK_ORDINAL]}, parent has {raw[p, BLK_ORDINAL]}")
+        if not 1 <= n <= T:
+            fail(2, f"row {r} holds {n} tokens")
+        expect = hashlib.sha256(
+            int64x4_to_digest(raw[p, BLK_DIGEST:BLK_DIGEST + 4]) + _encode(mgr, toks[r, :n])
+        ).digest()
+        if int64x4_to_digest(raw[r, BLK_DIGEST:BLK_DIGEST + 4]) != expect:
+            fail(2, f"row {r}'s key is not SHA256(parent key || tokens)")
+        if n < T and raw[r, BLK_NUM_CHILDREN]:
+            fail(3, f"partial row {r} ({n} tokens) has children")
+    # Children lists: every attached block is in its parent's list exactly
+    # once; siblings have unique keys and none is a strict prefix of another.
+    for p in in_use:
+        if not raw[p, BLK_FLAGS] & FLAG_ATTACHED:
+            continue
+        kids = []
+        c = raw[p, BLK_FIRST_CHILD]
+        while c != NULL:
+            if raw[c, BLK_PARENT] != p:
+                fail(2, f"row {c} is listed under {p} but names parent {raw[c, BLK_PARENT]}")
+            kids.append(int(c))
+            c = raw[c, BLK_NEXT_SIBLING]
+        if len(kids) != raw[p, BLK_NUM_CHILDREN]:
+            fail(2, f"row {p} lists {len(kids)} children but counts {raw[p, BLK_NUM_CHILDREN]}")
+        seqs = [tuple(toks[k, : raw[k, BLK_NUM_TOKENS]]) for k in kids]
+        if len(set(seqs)) != len(seqs):
+            fail(4, f"row {p} has two children with the same tokens")
+        for a in seqs:
+            for b in seqs:
+                if len(a) < len(b) and b[: len(a)] == a:
+                    fail(4, f"row {p} has a child whose tokens are a strict prefix of a sibling's")
+    # Slots and pages (6, 7).
+    for r in in_use:
+        if raw[r, BLK_FLAGS] & FLAG_ROOT:
+            continue
+        for lc in range(L):
+            pg, cov = slots[r * L + lc]
+            if pg == NULL:
+                if cov != 0:
+                    fail(6, f"empty slot ({r}, {lc}) has coverage {cov}")
+                continue
+            page = pages[pg]
+            if page["state"] != PAGE_COMMITTED:
+                fail(7, f"slot ({r}, {lc}) refers to page {pg}, which is not a live committed page")
+            if page["block"] != r or page["life_cycle"] != lc:
+                fail(6, f"slot ({r}, {lc}) holds page {pg} whose back-pointer is ({page['block']}, {page['life_cycle']})")
+            if page["coverage"] != cov or not 1 <= cov <= raw[r, BLK_NUM_TOKENS]:
+                fail(6, f"slot ({r}, {lc}) coverage {cov} (page says {page['coverage']}) outside 1..{raw[r, BLK_NUM_TOKENS]}")
+    raw_pages = mgr._backend.to_host(mgr._tables.pages)
+    linked = np.nonzero(raw_pages[:, PAGE_BLOCK] != NULL)[0]
+    for pg in linked:
+        r = raw_pages[pg, PAGE_BLOCK]
+        lc = raw_pages[pg, PAGE_LIFE_CYCLE]
+        if raw_pages[pg, PAGE_STATE] != PAGE_COMMITTED or slots[r * L + lc]["page"] != pg:
+            fail(7, f"page {pg} points at ({r}, {lc}) but that slot does not hold it")
+        if raw_pages[pg, PAGE_COVERAGE] < 1:
+            fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
+    _check_monotone_coverage(mgr, slots, raw, in_use, L)
+
+
+def _check_monotone_coverage(mgr, slots, raw, in_use, L):
+    """Invariant 10: while a slot keeps a page, its coverage never decreases."""
+    history = mgr.__dict__.setdefault("_sanity_coverage", {})
+    seen = {}
+    for r in in_use:
+        if raw[r, BLK_FLAGS] & FLAG_ROOT or not raw[r, BLK_FLAGS] & FLAG_ATTACHED:
+            continue
+        key = int64x4_to_digest(raw[r, BLK_DIGEST:BLK_DIGEST + 4])
+        for lc in range(L):
+            pg, cov = slots[r * L + lc]
+            if pg == NULL:
+                continue
+            before = history.get((key, lc))
+            if before is not None and before[0] == pg and cov < before[1]:
+                raise AssertionError(f"invariant 10 broken: slot coverage of block row {r}, life cycle {lc} went down")
+            seen[(key, lc)] = (int(pg), int(cov))
+    mgr._sanity_coverage = seen
+
+
+def _scope_of(tree, sid):
+    for scope, i in tree._scope_ids.items():
+        if i == sid:
+            return scope
+    raise AssertionError(f"invariant 1 broken: root has unknown scope id {sid}")
+
+
+def _encode(mgr, tokens) -> bytes:
+    out = bytearray()
+    for t in tokens:
+        t = int(t)
+        out += mgr._tables.digest_of_token(t) if t < 0 else t.to_bytes(4, "little")
+    return bytes(out)
+
+
+# -- dump --------------------------------------------------------------------------------------
+def dump(mgr) -> str:
+    """A readable rendering of the tree: one line per block with its tokens
+    (abbreviated) and per-life-cycle ``page:coverage``."""
+    raw = mgr._backend.to_host(mgr._tables.blocks)
+    toks = mgr._backend.to_host(mgr._tables.tokens)
+    slots = mgr._backend.to_host(mgr._tables.slots)
+    L = len(mgr.config.life_cycles)
+    lines = []
+    roots = np.nonzero((raw[:, BLK_FLAGS] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE))[0]
+    for root in roots:
+        scope = _scope_of(mgr._tree, raw[root, BLK_SCOPE])
+        lines.append(f"root row {root} {scope}")
+        stack = [(raw[root, BLK_FIRST_CHILD], 1)]
+        while stack:
+            r, depth = stack.pop()
+            if r == NULL:
+                continue
+            stack.append((raw[r, BLK_NEXT_SIBLING], depth))
+            n = raw[r, BLK_NUM_TOKENS]
+            shown = list(toks[r, : min(n, 6)])
+            tail = "..." if n > 6 else ""
+            pages = " ".join(
+                "-" if slots[r * L + lc, 0] == NULL else f"{slots[r * L + lc, 0]}:{slots[r * L + lc, 1]}"
+                for lc in range(L)
+            )
+            key = int64x4_to_digest(raw[r, BLK_DIGEST:BLK_DIGEST + 4]).hex()[:8]
+            lines.append(f"{'  ' * depth}B{raw[r, BLK_ORDINAL]}/{n} row {r} {key} {shown}{tail} [{pages}]")
+            stack.append((raw[r, BLK_FIRST_CHILD], depth + 1))
+    return "\n".join(lines) if lines else "(empty tree)"

@@ -1,0 +1,316 @@
+"""Batched reuse matching: walk, partial match, backoff and pruning (§2.3, §2.4).
+
+One request is one item: ``match_one`` walks the child index block by block
+(verifying tokens on every hit), tries the partial match among the children of
+the last matched block, applies the backoff to the raw path and runs the
+coverage-aware pruning fixed point. The ``cpu`` kernel runs items with
+``prange``; the ``cuda`` kernel runs one thread per item. Block content hashes
+can come precomputed (``hash_blocks``, parallel over blocks; cached per block by
+``TokenSequence``) or be computed during the walk, which hashes only the blocks
+the walk reaches.
+
+Results per request go to ``res[i, RES_*]``; the matched block rows go to the
+scratch ``path[path_off[i]:...]`` and are compacted into the ragged output by
+``compact``.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..backend import bind_globals, device_jit
+from ..config import KIND_SSM, KIND_SWA
+from ..layout import BLK_FIRST_CHILD, BLK_KEY, BLK_NEXT_SIBLING, BLK_NUM_TOKENS, NULL
+from .tree import build_tree
+
+RES_NUM_TOKENS = 0
+RES_NUM_LOOKUP_TOKENS = 1
+RES_BEFORE_PRUNING = 2
+RES_BEFORE_HYBRID_PRUNING = 3
+RES_NUM_BLOCKS = 4
+RES_WIDTH = 5
+
+
+@functools.lru_cache(maxsize=None)
+def build_match(target: str) -> SimpleNamespace:
+    jit = device_jit(target)
+    t = build_tree(target)
+    content_hash = t.keys.content_hash
+    combine = t.keys.combine
+    find_child = t.find_child
+    coverage = t.coverage
+    find_root = t.find_root
+
+    @jit
+    def common_prefix(S, r, toks, start, n):
+        """Length of the common prefix of block ``r``'s tokens and ``toks[start:start+n]``."""
+        m = min(n, S.blocks[r, BLK_NUM_TOKENS])
+        row = S.tokens[r]
+        for k in range(m):
+            if row[k] != toks[start + k]:
+                return k
+        return m
+
+    @jit
+    def best_partial_child(S, node, toks, start, n, out):
+        """The child sharing the strictly longest token prefix; first in
+        insertion order on ties. Every child is searched, however many."""
+        best = NULL
+        best_n = 0
+        c = S.blocks[node, BLK_FIRST_CHILD]
+        first = toks[start]
+        while c != NULL:
+            if S.tokens[c, 0] == first:  # most siblings differ at the first token
+                m = common_prefix(S, c, toks, start, n)
+                if m > best_n:
+                    best = c
+                    best_n = m
+            c = S.blocks[c, BLK_NEXT_SIBLING]
+        out[0] = best
+        out[1] = best_n
+
+    @jit
+    def walk(S, root, toks, start, n_tok, hashes, hash_base, partial, path, base, tmp):
+        """§2.3: the raw path into ``path[base:]``; returns (blocks, last n)."""
+        T = S.tokens.shape[1]
+        count = 0
+        last_n = 0
+        node = root
+        j = 0
+        while node != NULL and j * T < n_tok:
+            n = min(T, n_tok - j * T)
+            if n == T and hash_base >= 0:
+                h = np.uint64(hashes[hash_base + j])
+            else:
+                h = content_hash(toks, start + j * T, n)
+            r = find_child(S, node, combine(S.blocks[node, BLK_KEY], h), toks, start + j * T, n)
+            if r != NULL:
+                path[base + count] = r
+                count += 1
+                last_n = n
+                node = r
+                j += 1
+                continue
+            if partial:
+                best_partial_child(S, node, toks, start + j * T, n, tmp)
+                if tmp[0] != NULL:
+                    path[base + count] = tmp[0]
+                    count += 1
+                    last_n = tmp[1]
+            break
+        return count, last_n
+
+    @jit
+    def prune(S, path, base, count, last_n, ssm_lc):
+        """§2.4: shorten the path until every page the endpoint needs covers it.
+
+        Each retry strictly shortens the match (drops a block, or lowers the
+        last block's count to one of its coverages), so the loop ends within
+        blocks x (life cycles + 1) rounds."""
+        T = S.tokens.shape[1]
+        L = S.lc_kind.shape[0]
+        while count > 0:
+            if ssm_lc >= 0:
+                # SSM: the endpoint must be exactly a checkpoint, the latest usable.
+                k = count - 1
+                found = -1
+                while k >= 0:
+                    n = last_n if k == count - 1 else T
+                    c = coverage(S, path[base + k], ssm_lc)
+                    if c > 0 and n >= c:
+                        found = k
+                        break
+                    k -= 1
+                if found < 0:
+                    return 0, 0
+                last_n = coverage(S, path[base + found], ssm_lc)
+                count = found + 1
+            ntok = T * (count - 1) + last_n
+            shortened = False
+            for lc in range(L):
+                kind = S.lc_kind[lc]
+                if kind == KIND_SSM:
+                    continue
+                # Stale range at the candidate endpoint (§1.5, with its +1).
+                sb = min(count, S.lc_sinks[lc])
+                se = sb
+                if kind == KIND_SWA:
+                    first_live = ntok + 1 - S.lc_window[lc]
+                    if first_live > 0:
+                        se = max(sb, first_live // T)
+                k = 0
+                while k < count:
+                    if k >= sb and k < se:
+                        k = se  # skip, do not require, stale blocks
+                        continue
+                    n = last_n if k == count - 1 else T
+                    c = coverage(S, path[base + k], lc)
+                    if c < n:
+                        if c > 0:
+                            count = k + 1  # clamp inside block k
+                            last_n = c
+                        else:
+                            count = k  # cut at block k's start
+                            last_n = T
+                        shortened = True
+                        break
+                    k += 1
+                if shortened:
+                    break
+            if not shortened:
+                return count, last_n
+        return 0, 0
+
+    @jit
+    def match_one(S, i, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res, tmp):
+        start = starts[i]
+        n_tok = lengths[i]
+        T = S.tokens.shape[1]
+        base = path_off[i]
+        hash_base = hash_off[i] if hash_off.shape[0] > 0 else -1
+        root = find_root(S, scope_ids[i], scope_keys[i]) if scope_ids[i] >= 0 else NULL
+        count, last_n = walk(S, root, toks, start, n_tok, hashes, hash_base, partial, path, base, tmp)
+        raw = T * (count - 1) + last_n if count > 0 else 0
+        res[i, RES_NUM_LOOKUP_TOKENS] = n_tok
+        res[i, RES_BEFORE_PRUNING] = raw
+        # Backoff trims the raw path, before pruning, and only once.
+        if backoff > 0:
+            left = raw - backoff
+            if left <= 0:
+                count = 0
+                last_n = 0
+            else:
+                count = (left + T - 1) // T
+                last_n = left - T * (count - 1)
+        if ssm_lc >= 0:
+            c2, n2 = prune(S, path, base, count, last_n, -1)
+            res[i, RES_BEFORE_HYBRID_PRUNING] = T * (c2 - 1) + n2 if c2 > 0 else 0
+        count, last_n = prune(S, path, base, count, last_n, ssm_lc)
+        final = T * (count - 1) + last_n if count > 0 else 0
+        res[i, RES_NUM_TOKENS] = final
+        if ssm_lc < 0:
+            res[i, RES_BEFORE_HYBRID_PRUNING] = final
+        res[i, RES_NUM_BLOCKS] = count
+
+    @jit
+    def hash_one(g, toks, src, dst, first_block, hashes, T):
+        """Content hash of global block ``g``: the ``j``-th block to hash of
+        request ``i`` (found by binary search) starts at token ``src[i] + j*T``
+        and its hash goes to ``hashes[dst[i] + j]``."""
+        lo = 0
+        hi = first_block.shape[0] - 1
+        while lo < hi:  # the last i with first_block[i] <= g
+            mid = (lo + hi + 1) // 2
+            if first_block[mid] <= g:
+                lo = mid
+            else:
+                hi = mid - 1
+        j = g - first_block[lo]
+        hashes[dst[lo] + j] = np.int64(content_hash(toks, src[lo] + j * T, T))
+
+    @jit
+    def compact_one(i, path, path_off, res, block_offsets, block_ids):
+        dst = block_offsets[i]
+        src = path_off[i]
+        for k in range(res[i, RES_NUM_BLOCKS]):
+            block_ids[dst + k] = path[src + k]
+
+    return SimpleNamespace(
+        walk=walk, prune=prune, match_one=match_one, hash_one=hash_one, compact_one=compact_one
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def build_match_kernels(target: str) -> SimpleNamespace:
+    """Launchers: ``match(...)``, ``hash_blocks(...)``, ``compact(...)``.
+
+    Request ``i`` is ``toks[starts[i]:starts[i] + lengths[i]]``; its full-block
+    content hashes are ``hashes[hash_off[i]:]`` when ``hash_off`` is not empty,
+    else they are computed during the walk."""
+    m = build_match(target)
+    helpers = dict(match_one=m.match_one, hash_one=m.hash_one, compact_one=m.compact_one)
+
+    if target == "cpu":
+        from numba import njit, prange
+
+        def kernel(f):
+            return njit(parallel=True, cache=True, nogil=True)(bind_globals(f, prange=prange, **helpers))
+
+        return SimpleNamespace(
+            match=kernel(_match_cpu), hash_blocks=kernel(_hash_cpu), compact=kernel(_compact_cpu)
+        )
+
+    from numba import cuda
+
+    def kernel(f):
+        return cuda.jit(bind_globals(f, cuda=cuda, **helpers))
+
+    match_k, hash_k, compact_k = kernel(_match_cuda), kernel(_hash_cuda), kernel(_compact_cuda)
+    threads = 128
+
+    def grid(n):
+        return max(1, (n + threads - 1) // threads), threads
+
+    def match(S, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res):
+        B = starts.shape[0]
+        tmp = _like(res, (max(B, 1), 2))
+        match_k[grid(B)](
+            S, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res, tmp
+        )
+
+    def hash_blocks(toks, src, dst, first_block, hashes, T, total):
+        if total:
+            hash_k[grid(total)](toks, src, dst, first_block, hashes, T, total)
+
+    def compact(path, path_off, res, block_offsets, block_ids):
+        compact_k[grid(res.shape[0])](path, path_off, res, block_offsets, block_ids)
+
+    return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact)
+
+
+# -- kernels: module level so Numba's disk cache hits (see backend.bind_globals) --------
+# noqa: F821 throughout: helpers, prange and cuda are bound by bind_globals.
+def _match_cpu(S, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res):
+    for i in prange(starts.shape[0]):  # noqa: F821
+        tmp = np.empty(2, dtype=np.int64)
+        match_one(S, i, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res, tmp)  # noqa: F821
+
+
+def _hash_cpu(toks, src, dst, first_block, hashes, T, total):
+    for g in prange(total):  # noqa: F821
+        hash_one(g, toks, src, dst, first_block, hashes, T)  # noqa: F821
+
+
+def _compact_cpu(path, path_off, res, block_offsets, block_ids):
+    for i in prange(res.shape[0]):  # noqa: F821
+        compact_one(i, path, path_off, res, block_offsets, block_ids)  # noqa: F821
+
+
+def _match_cuda(S, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res, tmp):
+    i = cuda.grid(1)  # noqa: F821
+    if i < starts.shape[0]:
+        match_one(S, i, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res, tmp[i])  # noqa: F821
+
+
+def _hash_cuda(toks, src, dst, first_block, hashes, T, total):
+    g = cuda.grid(1)  # noqa: F821
+    if g < total:
+        hash_one(g, toks, src, dst, first_block, hashes, T)  # noqa: F821
+
+
+def _compact_cuda(path, path_off, res, block_offsets, block_ids):
+    i = cuda.grid(1)  # noqa: F821
+    if i < res.shape[0]:
+        compact_one(i, path, path_off, res, block_offsets, block_ids)  # noqa: F821
+
+
+def _like(a, shape):
+    """A scratch int64 array on the same device as ``a``."""
+    if isinstance(a, np.ndarray):
+        return np.empty(shape, dtype=np.int64)
+    import cupy
+
+    return cupy.empty(shape, dtype=np.int64)

@@ -1,0 +1,646 @@
+"""Block radix tree operations on the device tables (semantics.md §2.1, §2.2, §2.7).
+
+Every function here is a plain per-item helper compiled for the kernel target
+by ``build_tree(target)``. They take ``S``, the manager's ``DeviceTables``
+named tuple, and mutate it in place. Tree mutation is inherently ordered (the
+rules "unlink before evict", "insert before detaching", "adopt before replace"
+are what make it correct), so it runs serially: one thread on ``cuda``, one
+call on ``cpu``. Batched read-only work (matching) runs in parallel elsewhere.
+
+Rows are allocated from free lists that the host keeps stocked before each
+operation (``tables.ensure_free_blocks``), so a helper never needs to grow a
+table.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..backend import bind_globals, device_jit
+from ..config import KIND_FULL, KIND_SSM
+from ..layout import (
+    BLK_DIGEST,
+    BLK_FIRST_CHILD,
+    BLK_FLAGS,
+    BLK_HASH_NEXT,
+    BLK_KEY,
+    BLK_LAST_CHILD,
+    BLK_NEXT_SIBLING,
+    BLK_NUM_CHILDREN,
+    BLK_NUM_TOKENS,
+    BLK_ORDINAL,
+    BLK_PARENT,
+    BLK_PREV_SIBLING,
+    BLK_REFS,
+    BLK_SCOPE,
+    BLK_WIDTH,
+    CNT_BLOCK_FREE_TOP,
+    CNT_ERROR,
+    CNT_LIVE_BLOCKS,
+    CNT_LOG_LEN,
+    ERR_LOG_FULL,
+    ERR_NON_FULL_PARENT,
+    ERR_OUT_OF_BLOCKS,
+    EV_REMOVED,
+    EV_REMOVED_LIFE_CYCLE,
+    EV_ROOT_REMOVED,
+    EV_STORED,
+    FLAG_ATTACHED,
+    FLAG_IN_USE,
+    FLAG_ROOT,
+    LOG_BLOCK,
+    LOG_DIGEST,
+    LOG_KIND,
+    LOG_LIFE_CYCLE,
+    NULL,
+    PAGE_BLOCK,
+    PAGE_COMMITTED,
+    PAGE_COVERAGE,
+    PAGE_FREE,
+    PAGE_HOLDERS,
+    PAGE_LEVEL,
+    PAGE_LIFE_CYCLE,
+    PAGE_LOCKS,
+    PAGE_PLANNED_DROPS,
+    PAGE_POOL_INDEX,
+    PAGE_PRIORITY,
+    PAGE_STATE,
+    SLOT_COVERAGE,
+    SLOT_PAGE,
+)
+from .keys import build_keys
+from .sha256 import build_sha256
+
+NUM_LEVELS = 2  # cache levels: 0 = GPU, 1 = host
+DEFAULT_PRIORITY = 35
+
+
+def build_tree(target: str) -> SimpleNamespace:
+    return _build_tree(target)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_tree(target: str) -> SimpleNamespace:
+    jit = device_jit(target)
+    call = device_jit(target, inline=False)  # large helpers: calls, not inlined copies
+    keys = build_keys(jit)
+    sha = build_sha256(jit)
+    content_hash = keys.content_hash
+    combine = keys.combine
+    chain_digest = sha.chain_digest
+
+    # -- rows and the child index -------------------------------------------
+    @jit
+    def bucket_of(S, key):
+        return key & (S.buckets.shape[0] - 1)
+
+    @jit
+    def tokens_equal(S, r, toks, start, n):
+        row = S.tokens[r]
+        for i in range(n):
+            if row[i] != toks[start + i]:
+                return False
+        return True
+
+    @jit
+    def find_child(S, parent, key, toks, start, n):
+        """The child of ``parent`` holding exactly ``toks[start:start+n]``, or NULL.
+
+        The 64-bit key only selects candidates; parent, length and every
+        token are compared before a hit is accepted."""
+        r = S.buckets[bucket_of(S, key)]
+        while r != NULL:
+            if (
+                S.blocks[r, BLK_KEY] == key
+                and S.blocks[r, BLK_PARENT] == parent
+                and S.blocks[r, BLK_NUM_TOKENS] == n
+                and tokens_equal(S, r, toks, start, n)
+            ):
+                return r
+            r = S.blocks[r, BLK_HASH_NEXT]
+        return NULL
+
+    @jit
+    def find_root(S, scope_id, scope_key):
+        r = S.buckets[bucket_of(S, scope_key)]
+        while r != NULL:
+            if (S.blocks[r, BLK_FLAGS] & FLAG_ROOT) != 0 and S.blocks[r, BLK_SCOPE] == scope_id:
+                return r
+            r = S.blocks[r, BLK_HASH_NEXT]
+        return NULL
+
+    @jit
+    def index_insert(S, r):
+        b = bucket_of(S, S.blocks[r, BLK_KEY])
+        S.blocks[r, BLK_HASH_NEXT] = S.buckets[b]
+        S.buckets[b] = r
+
+    @jit
+    def index_remove(S, r):
+        b = bucket_of(S, S.blocks[r, BLK_KEY])
+        prev = NULL
+        cur = S.buckets[b]
+        while cur != NULL and cur != r:
+            prev = cur
+            cur = S.blocks[cur, BLK_HASH_NEXT]
+        if cur == NULL:
+            return
+        nxt = S.blocks[r, BLK_HASH_NEXT]
+        if prev == NULL:
+            S.buckets[b] = nxt
+        else:
+            S.blocks[prev, BLK_HASH_NEXT] = nxt
+        S.blocks[r, BLK_HASH_NEXT] = NULL
+
+    @jit
+    def alloc_block(S):
+        top = S.counters[CNT_BLOCK_FREE_TOP]
+        if top == 0:
+            S.counters[CNT_ERROR] = ERR_OUT_OF_BLOCKS
+            return NULL
+        r = S.block_free[top - 1]
+        S.counters[CNT_BLOCK_FREE_TOP] = top - 1
+        S.counters[CNT_LIVE_BLOCKS] += 1
+        for c in range(BLK_WIDTH):
+            S.blocks[r, c] = NULL
+        S.blocks[r, BLK_NUM_CHILDREN] = 0
+        S.blocks[r, BLK_NUM_TOKENS] = 0
+        S.blocks[r, BLK_FLAGS] = FLAG_IN_USE
+        S.blocks[r, BLK_REFS] = 0
+        L = S.lc_kind.shape[0]
+        for lc in range(L):
+            S.slots[r * L + lc, SLOT_PAGE] = NULL
+            S.slots[r * L + lc, SLOT_COVERAGE] = 0
+        return r
+
+    @jit
+    def free_block_row(S, r):
+        S.blocks[r, BLK_FLAGS] = 0
+        top = S.counters[CNT_BLOCK_FREE_TOP]
+        S.block_free[top] = r
+        S.counters[CNT_BLOCK_FREE_TOP] = top + 1
+        S.counters[CNT_LIVE_BLOCKS] -= 1
+
+    @jit
+    def log(S, kind, r, lc):
+        n = S.counters[CNT_LOG_LEN]
+        if n >= S.log.shape[0]:
+            S.counters[CNT_ERROR] = ERR_LOG_FULL
+            return
+        S.log[n, LOG_KIND] = kind
+        S.log[n, LOG_LIFE_CYCLE] = lc
+        S.log[n, LOG_BLOCK] = r
+        for w in range(4):
+            S.log[n, LOG_DIGEST + w] = S.blocks[r, BLK_DIGEST + w]
+        S.counters[CNT_LOG_LEN] = n + 1
+
+    # -- pages and slots (§2.1) -----------------------------------------------
+    @jit
+    def page_of(S, r, lc):
+        return S.slots[r * S.lc_kind.shape[0] + lc, SLOT_PAGE]
+
+    @jit
+    def coverage(S, r, lc):
+        """``cov(b, lc)``: the coverage of the slot's page, 0 when empty."""
+        return S.slots[r * S.lc_kind.shape[0] + lc, SLOT_COVERAGE]
+
+    @jit
+    def set_slot(S, r, lc, page, cov):
+        row = r * S.lc_kind.shape[0] + lc
+        S.slots[row, SLOT_PAGE] = page
+        S.slots[row, SLOT_COVERAGE] = cov
+
+    @jit
+    def alloc_page(S, lc, level):
+        pool = lc * NUM_LEVELS + level
+        top = S.pool_top[pool]
+        if top == 0:
+            return NULL
+        p = S.page_free[S.pool_start[pool] + top - 1]
+        S.pool_top[pool] = top - 1
+        S.pages[p, PAGE_BLOCK] = NULL
+        S.pages[p, PAGE_COVERAGE] = 0
+        S.pages[p, PAGE_HOLDERS] = 0
+        S.pages[p, PAGE_LOCKS] = 0
+        S.pages[p, PAGE_PLANNED_DROPS] = 0
+        S.pages[p, PAGE_PRIORITY] = DEFAULT_PRIORITY
+        S.pages[p, PAGE_STATE] = PAGE_COMMITTED
+        return p
+
+    @jit
+    def free_page(S, p):
+        pool = S.pages[p, PAGE_LIFE_CYCLE] * NUM_LEVELS + S.pages[p, PAGE_LEVEL]
+        top = S.pool_top[pool]
+        S.page_free[S.pool_start[pool] + top] = p
+        S.pool_top[pool] = top + 1
+        S.pages[p, PAGE_STATE] = PAGE_FREE
+        S.pages[p, PAGE_BLOCK] = NULL
+        S.pages[p, PAGE_COVERAGE] = 0
+
+    @jit
+    def is_droppable(S, p):
+        """Nobody holds the page: only the eviction controller keeps it alive."""
+        return S.pages[p, PAGE_HOLDERS] == 0 and S.pages[p, PAGE_LOCKS] == 0
+
+    @jit
+    def can_replace_page(S, r, lc, cov):
+        """Empty, or the incumbent is strictly narrower (ties keep the incumbent)."""
+        return coverage(S, r, lc) < cov
+
+    @jit
+    def unlink_page(S, r, lc, expected):
+        """Sever a block-page link: the single place that does (§2.1).
+
+        With ``expected != NULL`` nothing happens unless the slot still holds
+        that page (it may have been replaced by a wider one meanwhile)."""
+        p = page_of(S, r, lc)
+        if p == NULL or (expected != NULL and p != expected):
+            return NULL
+        S.pages[p, PAGE_BLOCK] = NULL
+        set_slot(S, r, lc, NULL, 0)
+        return p
+
+    @jit
+    def link_page(S, r, lc, p):
+        S.pages[p, PAGE_BLOCK] = r
+        set_slot(S, r, lc, p, S.pages[p, PAGE_COVERAGE])
+
+    @jit
+    def replace_page(S, r, lc, p):
+        """Put ``p`` in the slot; the caller checked ``can_replace_page``.
+
+        NOTE the order: the old page is unlinked *before* it leaves the
+        eviction controller. Leaving may kill it, and a page that dies while
+        still linked runs the tree cleanup on this very block (for full
+        attention: removing the block's whole subtree)."""
+        old = unlink_page(S, r, lc, NULL)
+        if old != NULL and is_droppable(S, old):
+            free_page(S, old)  # unscheduled and unowned: it dies, already unlinked
+        link_page(S, r, lc, p)
+
+    # -- children lists ---------------------------------------------------------
+    @jit
+    def append_child(S, parent, r):
+        last = S.blocks[parent, BLK_LAST_CHILD]
+        S.blocks[r, BLK_PREV_SIBLING] = last
+        S.blocks[r, BLK_NEXT_SIBLING] = NULL
+        if last == NULL:
+            S.blocks[parent, BLK_FIRST_CHILD] = r
+        else:
+            S.blocks[last, BLK_NEXT_SIBLING] = r
+        S.blocks[parent, BLK_LAST_CHILD] = r
+        S.blocks[parent, BLK_NUM_CHILDREN] += 1
+
+    @jit
+    def remove_child(S, parent, r):
+        prv = S.blocks[r, BLK_PREV_SIBLING]
+        nxt = S.blocks[r, BLK_NEXT_SIBLING]
+        if prv == NULL:
+            S.blocks[parent, BLK_FIRST_CHILD] = nxt
+        else:
+            S.blocks[prv, BLK_NEXT_SIBLING] = nxt
+        if nxt == NULL:
+            S.blocks[parent, BLK_LAST_CHILD] = prv
+        else:
+            S.blocks[nxt, BLK_PREV_SIBLING] = prv
+        S.blocks[r, BLK_PREV_SIBLING] = NULL
+        S.blocks[r, BLK_NEXT_SIBLING] = NULL
+        S.blocks[parent, BLK_NUM_CHILDREN] -= 1
+
+    @jit
+    def is_attached(S, r):
+        return (S.blocks[r, BLK_FLAGS] & FLAG_ATTACHED) != 0
+
+    @jit
+    def is_root(S, r):
+        return (S.blocks[r, BLK_FLAGS] & FLAG_ROOT) != 0
+
+    # -- block lifetime -----------------------------------------------------------
+    @call
+    def release_block_pages(S, r):
+        """A block row is destroyed: unlink its pages; unowned ones die (§2.1).
+
+        They are unlinked first, so their death runs no tree cleanup."""
+        for lc in range(S.lc_kind.shape[0]):
+            p = unlink_page(S, r, lc, NULL)
+            if p != NULL and is_droppable(S, p):
+                free_page(S, p)
+
+    @jit
+    def maybe_free_orphan(S, r):
+        """An orphan's row lives while sequences refer to it."""
+        if not is_attached(S, r) and S.blocks[r, BLK_REFS] == 0:
+            release_block_pages(S, r)
+            free_block_row(S, r)
+
+    @call
+    def detach(S, r):
+        """Take an attached block out of its parent; a root left childless goes too.
+
+        The row is freed at once unless a sequence still refers to it; then it
+        lives on as an orphan until that reference is released."""
+        if not is_attached(S, r):
+            return
+        parent = S.blocks[r, BLK_PARENT]
+        remove_child(S, parent, r)
+        index_remove(S, r)
+        S.blocks[r, BLK_PARENT] = NULL
+        S.blocks[r, BLK_FLAGS] &= ~FLAG_ATTACHED
+        log(S, EV_REMOVED, r, NULL)
+        if is_root(S, parent) and S.blocks[parent, BLK_NUM_CHILDREN] == 0:
+            index_remove(S, parent)
+            log(S, EV_ROOT_REMOVED, parent, NULL)
+            free_block_row(S, parent)
+        maybe_free_orphan(S, r)
+
+    @call
+    def remove_subtree(S, b):
+        """Detach ``b`` and all its descendants, leaves first (post order)."""
+        if not is_attached(S, b):
+            return
+        cur = b
+        while True:
+            child = S.blocks[cur, BLK_FIRST_CHILD]
+            if child != NULL:
+                cur = child
+                continue
+            parent = S.blocks[cur, BLK_PARENT]
+            detach(S, cur)
+            if cur == b:
+                return
+            cur = parent
+
+    @call
+    def clear_stale_blocks_after_page_unlink(S, start, lc):
+        """Tree cleanup after a page of ``start`` died (§2.7)."""
+        kind = S.lc_kind[lc]
+        if kind == KIND_FULL or (kind != KIND_SSM and S.blocks[start, BLK_ORDINAL] < S.lc_sinks[lc]):
+            # Full attention or a sink block: nothing below can be reused any more.
+            remove_subtree(S, start)
+        elif is_attached(S, start):
+            log(S, EV_REMOVED_LIFE_CYCLE, start, lc)
+        # Tail pruning: detach childless blocks whose slots are all empty.
+        # (All slots, not just lc's: an in-flight hybrid sequence may still
+        # use this block through another life cycle.)
+        cur = start
+        L = S.lc_kind.shape[0]
+        while cur != NULL and is_attached(S, cur) and not is_root(S, cur):
+            if S.blocks[cur, BLK_NUM_CHILDREN] != 0:
+                return
+            for l2 in range(L):
+                if page_of(S, cur, l2) != NULL:
+                    return
+            parent = S.blocks[cur, BLK_PARENT]
+            detach(S, cur)
+            cur = parent
+
+    @call
+    def page_death(S, p):
+        """A committed page lost its last owner: unlink it, clean up, free it."""
+        r = S.pages[p, PAGE_BLOCK]
+        lc = S.pages[p, PAGE_LIFE_CYCLE]
+        linked = r != NULL and unlink_page(S, r, lc, p) != NULL
+        free_page(S, p)
+        if linked:
+            clear_stale_blocks_after_page_unlink(S, r, lc)
+
+    @call
+    def clear_tree(S):
+        """Remove every root's subtree (idempotent; roots go with their last child)."""
+        for r in range(S.blocks.shape[0]):
+            if (S.blocks[r, BLK_FLAGS] & FLAG_ROOT) != 0 and (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0:
+                while S.blocks[r, BLK_FIRST_CHILD] != NULL and (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0:
+                    remove_subtree(S, S.blocks[r, BLK_FIRST_CHILD])
+                if (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0:
+                    # a root that never got a child
+                    index_remove(S, r)
+                    free_block_row(S, r)
+
+    # -- creating blocks (§2.2) ---------------------------------------------------
+    @call
+    def get_or_create_root(S, scope_id, scope_key, scope_digest):
+        r = find_root(S, scope_id, scope_key)
+        if r != NULL:
+            return r
+        r = alloc_block(S)
+        if r == NULL:
+            return NULL
+        S.blocks[r, BLK_KEY] = scope_key
+        S.blocks[r, BLK_SCOPE] = scope_id
+        S.blocks[r, BLK_FLAGS] = FLAG_IN_USE | FLAG_ATTACHED | FLAG_ROOT
+        for w in range(4):
+            S.blocks[r, BLK_DIGEST + w] = scope_digest[w]
+        index_insert(S, r)
+        return r
+
+    @jit
+    def adopt_pages_from(S, r, other):
+        """Move ``other``'s pages into ``r`` where strictly wider (§2.1).
+
+        The source slot is emptied directly, not through unlink: unlinking
+        would null the back-pointer that ``replace_page`` is about to reset."""
+        for lc in range(S.lc_kind.shape[0]):
+            p = page_of(S, other, lc)
+            if p != NULL and can_replace_page(S, r, lc, S.pages[p, PAGE_COVERAGE]):
+                set_slot(S, other, lc, NULL, 0)
+                replace_page(S, r, lc, p)
+
+    @call
+    def add_or_get(S, parent, toks, start, n, out):
+        """Create the child of ``parent`` holding ``toks[start:start+n]``, or get
+        the block that already serves it. Writes ``out[0] = block, out[1] = is_new``.
+
+        Rules (§2.2): an exact duplicate is returned; a partial chunk that a
+        sibling already covers is "useless" and that sibling (first in
+        insertion order) is returned; otherwise a new block is inserted, and a
+        shorter sibling it covers is adopted (its pages move, keeping their
+        coverage) and then detached."""
+        T = S.tokens.shape[1]
+        out[0] = NULL
+        out[1] = 0
+        if not is_root(S, parent) and S.blocks[parent, BLK_NUM_TOKENS] != T:
+            S.counters[CNT_ERROR] = ERR_NON_FULL_PARENT
+            return
+        key = combine(S.blocks[parent, BLK_KEY], content_hash(toks, start, n))
+        r = find_child(S, parent, key, toks, start, n)
+        if r != NULL:
+            out[0] = r
+            return
+        covered = NULL
+        c = S.blocks[parent, BLK_FIRST_CHILD]
+        while c != NULL:
+            m = S.blocks[c, BLK_NUM_TOKENS]
+            if n < T and m >= n and tokens_equal(S, c, toks, start, n):
+                out[0] = c  # the useless-partial rule: an existing sibling covers it
+                return
+            if m < n and covered == NULL and tokens_equal(S, c, toks, start, m):
+                covered = c
+            c = S.blocks[c, BLK_NEXT_SIBLING]
+        r = alloc_block(S)
+        if r == NULL:
+            return
+        S.blocks[r, BLK_KEY] = key
+        S.blocks[r, BLK_PARENT] = parent
+        S.blocks[r, BLK_ORDINAL] = S.blocks[parent, BLK_ORDINAL] + 1
+        S.blocks[r, BLK_NUM_TOKENS] = n
+        S.blocks[r, BLK_SCOPE] = S.blocks[parent, BLK_SCOPE]
+        S.blocks[r, BLK_FLAGS] = FLAG_IN_USE | FLAG_ATTACHED
+        for i in range(n):
+            S.tokens[r, i] = toks[start + i]
+        for i in range(n, T):
+            S.tokens[r, i] = 0
+        chain_digest(
+            S.blocks[parent, BLK_DIGEST:BLK_DIGEST + 4],
+            S.tokens[r],
+            n,
+            S.mm_digests,
+            S.blocks[r, BLK_DIGEST:BLK_DIGEST + 4],
+            S.work,
+        )
+        # NOTE insert before detaching the covered sibling: a root whose only
+        # child is that sibling would otherwise be removed in between.
+        append_child(S, parent, r)
+        index_insert(S, r)
+        log(S, EV_STORED, r, NULL)
+        if covered != NULL:
+            adopt_pages_from(S, r, covered)
+            detach(S, covered)
+        out[0] = r
+        out[1] = 1
+
+    return SimpleNamespace(
+        keys=keys,
+        find_child=find_child,
+        find_root=find_root,
+        tokens_equal=tokens_equal,
+        page_of=page_of,
+        coverage=coverage,
+        alloc_page=alloc_page,
+        free_page=free_page,
+        can_replace_page=can_replace_page,
+        replace_page=replace_page,
+        unlink_page=unlink_page,
+        detach=detach,
+        remove_subtree=remove_subtree,
+        clear_stale_blocks_after_page_unlink=clear_stale_blocks_after_page_unlink,
+        page_death=page_death,
+        clear_tree=clear_tree,
+        get_or_create_root=get_or_create_root,
+        add_or_get=add_or_get,
+        maybe_free_orphan=maybe_free_orphan,
+        is_attached=is_attached,
+        is_root=is_root,
+    )
+
+
+# -- the serial tree kernel: one operation per launch -----------------------------
+OP_ADD = 1  # args: scope id, scope key, parent (NULL = the scope's root), n, root digest[4]
+OP_ADD_PAGE = 2  # args: block, life cycle, coverage -> out[0] = page (NULL if not wider)
+OP_UNLINK_PAGE = 3  # args: block, life cycle, expected page
+OP_PAGE_DEATH = 4  # args: page
+OP_REMOVE_SUBTREE = 5  # args: block
+OP_CLEAR = 6
+OP_CLEAR_STALE = 7  # args: block, life cycle
+OP_RELEASE_REF = 8  # args: block
+OP_INSERT = 9  # args: scope id, scope key, tokens, root digest[4]; toks = the sequence
+
+
+@functools.lru_cache(maxsize=None)
+def build_tree_kernel(target: str):
+    """``run(S, op, args, toks, out)``: one tree operation, serially."""
+    t = _build_tree(target)
+    call = device_jit(target, inline=False)
+    # Numba resolves globals and closure cells, not namespace attributes.
+    get_or_create_root, add_or_get, can_replace_page = t.get_or_create_root, t.add_or_get, t.can_replace_page
+    alloc_page, replace_page, unlink_page, page_death = t.alloc_page, t.replace_page, t.unlink_page, t.page_death
+    remove_subtree, clear_tree, clear_stale = t.remove_subtree, t.clear_tree, t.clear_stale_blocks_after_page_unlink
+    maybe_free_orphan = t.maybe_free_orphan
+
+    @call
+    def tree_op(S, op, args, toks, out):
+        if op == OP_ADD:
+            root = get_or_create_root(S, args[0], args[1], args[4:8])
+            out[2] = root
+            parent = root if args[2] == NULL else args[2]
+            # The host validated the parent and stocked the free lists, so
+            # neither step below can fail half way.
+            if root != NULL:
+                add_or_get(S, parent, toks, 0, args[3], out)
+        elif op == OP_ADD_PAGE:
+            r = args[0]
+            lc = args[1]
+            out[0] = NULL
+            if can_replace_page(S, r, lc, args[2]):
+                p = alloc_page(S, lc, 0)
+                if p != NULL:
+                    S.pages[p, PAGE_COVERAGE] = args[2]
+                    replace_page(S, r, lc, p)
+                    out[0] = p
+        elif op == OP_UNLINK_PAGE:
+            out[0] = unlink_page(S, args[0], args[1], args[2])
+        elif op == OP_PAGE_DEATH:
+            page_death(S, args[0])
+        elif op == OP_REMOVE_SUBTREE:
+            remove_subtree(S, args[0])
+        elif op == OP_CLEAR:
+            clear_tree(S)
+        elif op == OP_CLEAR_STALE:
+            clear_stale(S, args[0], args[1])
+        elif op == OP_INSERT:
+            # A whole sequence in one launch: each block is added (or got) and
+            # given a fresh page of full coverage in every life cycle where
+            # that is strictly wider. Stops early when a pool runs dry;
+            # out[3] = blocks inserted.
+            T = S.tokens.shape[1]
+            L = S.lc_kind.shape[0]
+            parent = get_or_create_root(S, args[0], args[1], args[4:8])
+            n_tok = args[2]
+            j = 0
+            while parent != NULL and j * T < n_tok:
+                n = min(T, n_tok - j * T)
+                add_or_get(S, parent, toks, j * T, n, out)
+                r = out[0]
+                if r == NULL:
+                    break
+                for lc in range(L):
+                    if can_replace_page(S, r, lc, n):
+                        p = alloc_page(S, lc, 0)
+                        if p == NULL:
+                            r = NULL
+                            break
+                        S.pages[p, PAGE_COVERAGE] = n
+                        replace_page(S, r, lc, p)
+                out[3] = j + 1 if r != NULL else j
+                if r == NULL or n < T:
+                    break
+                parent = r
+                j += 1
+        elif op == OP_RELEASE_REF:
+            S.blocks[args[0], BLK_REFS] -= 1
+            maybe_free_orphan(S, args[0])
+
+    if target == "cpu":
+        from numba import njit
+
+        return njit(cache=True)(bind_globals(_run_cpu, tree_op=tree_op))
+
+    from numba import cuda
+
+    kernel = cuda.jit(bind_globals(_run_cuda, tree_op=tree_op, cuda=cuda))
+
+    def run(S, op, args, toks, out):
+        kernel[1, 1](S, op, args, toks, out)
+
+    return run
+
+
+def _run_cpu(S, op, args, toks, out):
+    tree_op(S, op, args, toks, out)  # noqa: F821 (bound by bind_globals)
+
+
+def _run_cuda(S, op, args, toks, out):
+    if cuda.grid(1) == 0:  # noqa: F821
+        tree_op(S, op, args, toks, out)  # noqa: F821

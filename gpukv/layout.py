@@ -1,0 +1,137 @@
+"""Record layouts of the device tables, declared once.
+
+Every table is a 2-D integer array on the backend's device, one row per record
+and one column per field (CuPy has no structured dtypes). Kernels index columns
+with the constants generated here (``BLK_PARENT``, ``PAGE_COVERAGE``...); the
+host views the same memory as a NumPy structured array with named fields
+(``introspect.tables``). Outside this module no code uses bare column numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NULL = -1  # "no row": an empty slot, a missing parent, the end of a list
+
+
+class Layout:
+    """A record layout: ordered field names (with optional widths) over one dtype."""
+
+    def __init__(self, name: str, dtype, fields: list[tuple[str, int]]):
+        self.name = name
+        self.dtype = np.dtype(dtype)
+        self.fields = fields
+        self.columns: dict[str, int] = {}
+        col = 0
+        for field, width in fields:
+            self.columns[field] = col
+            col += width
+        self.width = col
+        self.record = np.dtype(
+            [(f, self.dtype, (w,)) if w > 1 else (f, self.dtype) for f, w in fields]
+        )
+
+    def col(self, field: str) -> int:
+        return self.columns[field]
+
+    def view(self, host_table: np.ndarray) -> np.ndarray:
+        """The table as a structured array (one record per row, named fields)."""
+        t = np.ascontiguousarray(host_table)
+        return t.view(self.record).reshape(t.shape[0])
+
+
+# One row per tree block; roots are blocks too (ordinal -1, no tokens).
+BLOCKS = Layout(
+    "blocks",
+    np.int64,
+    [
+        ("key", 1),  # fast 64-bit chain key: mix(parent key, content hash)
+        ("parent", 1),  # parent row; NULL for a root and for an orphan
+        ("first_child", 1),  # children in insertion order, as a doubly linked list
+        ("last_child", 1),
+        ("next_sibling", 1),
+        ("prev_sibling", 1),
+        ("num_children", 1),
+        ("hash_next", 1),  # next row in this key's child-index bucket
+        ("ordinal", 1),  # parent ordinal + 1; roots are -1
+        ("num_tokens", 1),  # 1..T (T for full blocks); 0 for roots
+        ("scope", 1),  # interned reuse-scope id
+        ("flags", 1),  # FLAG_* bits below
+        ("refs", 1),  # sequences referring to this row (keeps an orphan's row alive)
+        ("digest", 4),  # the reference SHA-256 chain key, 32 bytes in memory order
+    ],
+)
+FLAG_IN_USE = 1  # the row holds a block (attached or orphan)
+FLAG_ATTACHED = 2  # reachable from a root
+FLAG_ROOT = 4
+
+# One row per (block, life cycle): row = block * num_life_cycles + life_cycle.
+SLOTS = Layout("slots", np.int32, [("page", 1), ("coverage", 1)])
+
+# One row per page of every life cycle's pool (all cache levels).
+PAGES = Layout(
+    "pages",
+    np.int64,
+    [
+        ("block", 1),  # the block whose slot links this page; NULL = unlinked
+        ("life_cycle", 1),
+        ("coverage", 1),  # leading tokens of its block this page holds valid data for
+        ("level", 1),  # cache level: 0 = GPU, 1 = host
+        ("priority", 1),  # eviction priority 0..100
+        ("holders", 1),  # sequences holding the page
+        ("locks", 1),  # sequences holding it locked on the GPU
+        ("planned_drops", 1),
+        ("lru_tick", 1),  # when it last became evictable (LRU order)
+        ("state", 1),  # PAGE_* below
+        ("pool_index", 1),  # its index in the life cycle's pool of its level
+    ],
+)
+PAGE_FREE = 0
+PAGE_UNCOMMITTED = 1
+PAGE_COMMITTED = 2
+
+# The tree's change log, drained by the host after each operation (events,
+# orphan bookkeeping). Digests are copied in so a record outlives its row.
+LOG = Layout(
+    "log",
+    np.int64,
+    [("kind", 1), ("life_cycle", 1), ("block", 1), ("digest", 4)],
+)
+EV_REMOVED = 1  # a block left the tree (detached)
+EV_REMOVED_LIFE_CYCLE = 2  # one life cycle's page of a block died
+EV_STORED = 3  # a block was created (stored event candidates)
+EV_ROOT_REMOVED = 4  # a root lost its last child and was freed
+
+# Scalars the kernels update, one int64 each.
+COUNTERS = Layout(
+    "counters",
+    np.int64,
+    [
+        ("block_free_top", 1),  # entries on the block free-list stack
+        ("log_len", 1),
+        ("tick", 1),  # logical clock for LRU order
+        ("error", 1),  # ERR_* set by a kernel that had to stop
+        ("live_blocks", 1),
+    ],
+)
+ERR_NONE = 0
+ERR_OUT_OF_BLOCKS = 1
+ERR_LOG_FULL = 2
+ERR_NON_FULL_PARENT = 3
+
+
+def _export(layout: Layout, prefix: str):
+    g = globals()
+    for field, width in layout.fields:
+        g[f"{prefix}_{field.upper()}"] = layout.columns[field]
+
+
+_export(BLOCKS, "BLK")
+_export(SLOTS, "SLOT")
+_export(PAGES, "PAGE")
+_export(LOG, "LOG")
+_export(COUNTERS, "CNT")
+
+BLK_WIDTH = BLOCKS.width
+PAGE_WIDTH = PAGES.width
+LOG_WIDTH = LOG.width

@@ -1,0 +1,176 @@
+"""The host side of batched reuse matching: pack a batch, launch, unpack.
+
+``Matcher.match`` takes a whole scheduling batch at once, in any of three
+shapes (Python token lists, a flat array with offsets, registered
+``TokenSequence``s), and returns a ``BatchMatch`` of device arrays. ``probe_reuse``
+and ``introspect.reuse_match_pages`` are this same call on a batch of one, so
+the three can never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from .arena import TokenArena, TokenSequence
+from .kernels.match import (
+    RES_BEFORE_HYBRID_PRUNING,
+    RES_BEFORE_PRUNING,
+    RES_NUM_BLOCKS,
+    RES_NUM_LOOKUP_TOKENS,
+    RES_NUM_TOKENS,
+    RES_WIDTH,
+    build_match_kernels,
+)
+from .scope import ReuseScope, as_scope
+from .tables import Tables
+from .tokens import check_flat, flatten
+from .tree import BlockTree
+
+
+@dataclass
+class BatchMatch:
+    """Per-request reuse results; arrays live on the backend's device.
+
+    The matched tree blocks (table rows) of request ``i`` are
+    ``block_ids[block_offsets[i]:block_offsets[i + 1]]``."""
+
+    num_tokens: object
+    num_lookup_tokens: object
+    num_tokens_before_pruning: object
+    num_tokens_before_hybrid_pruning: object
+    block_offsets: object
+    block_ids: object
+
+    def __len__(self) -> int:
+        return int(self.num_tokens.shape[0])
+
+    def to_host(self) -> "BatchMatch":
+        def host(a):
+            return a if isinstance(a, np.ndarray) else a.get()
+
+        return BatchMatch(*(host(getattr(self, f.name)) for f in fields(self)))
+
+    def blocks(self, i: int):
+        """The matched block rows of request ``i``."""
+        return self.block_ids[self.block_offsets[i]:self.block_offsets[i + 1]]
+
+
+class Matcher:
+    def __init__(self, tables: Tables, tree: BlockTree, arena: TokenArena, config):
+        self.tables = tables
+        self.tree = tree
+        self.arena = arena
+        self.backend = tables.backend
+        self.kernels = build_match_kernels(self.backend.target)
+        self.T = config.tokens_per_block
+        self.default_partial = config.enable_partial_reuse
+        self.default_backoff = config.reuse_match_backoff
+        ssm = config.ssm_life_cycle_id
+        self.ssm_lc = -1 if ssm is None else ssm
+        # cpu: hash during the walk (only blocks it reaches); cuda: hash every
+        # block first, one thread per block, so the walk threads only look up.
+        self.prehash = self.backend.target == "cuda"
+        self._empty = self.backend.to_device(np.zeros(0, dtype=np.int64))
+
+    # -- packing --------------------------------------------------------------------
+    def _pack(self, requests):
+        """``(tokens, starts, lengths, hashes, hash_off)`` on the device."""
+        b = self.backend
+        if isinstance(requests, tuple) and len(requests) == 2 and hasattr(requests[0], "dtype"):
+            flat, offsets = check_flat(requests[0], requests[1], b.xp)
+            flat, offsets = b.to_device(flat), b.to_device(offsets)
+            return self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1])
+        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
+            raise TypeError("requests must be a list of token sequences or a (flat_tokens, offsets) pair")
+        if len(requests) and all(type(r) is TokenSequence for r in requests):
+            return self._registered(requests)
+        requests = [r.tokens if type(r) is TokenSequence else r for r in requests]
+        requests = [b.to_host(r) if hasattr(r, "__cuda_array_interface__") else r for r in requests]
+        flat, offsets = flatten(requests, self.tables.intern_digest)
+        flat, offsets = b.to_device(flat), b.to_device(offsets)
+        return self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1])
+
+    def _flat(self, flat, starts, lengths):
+        if not self.prehash:
+            return flat, starts, lengths, self._empty, self._empty
+        xp = self.backend.xp
+        full = lengths // self.T
+        hash_off = xp.zeros(full.shape[0], dtype=np.int64)
+        if full.shape[0] > 1:
+            xp.cumsum(full[:-1], out=hash_off[1:])
+        total = int(full.sum()) if full.shape[0] else 0
+        hashes = xp.empty(max(total, 1), dtype=np.int64)
+        self.kernels.hash_blocks(flat, starts, hash_off, hash_off, hashes, self.T, total)
+        return flat, starts, lengths, hashes, hash_off
+
+    def _registered(self, seqs):
+        for i, s in enumerate(seqs):
+            if s._arena is not self.arena:
+                raise ValueError(f"request {i}: TokenSequence belongs to another manager")
+            if s.released:
+                raise ValueError(f"request {i}: TokenSequence was released")
+        slots = np.fromiter((s._slot for s in seqs), dtype=np.int64, count=len(seqs))
+        starts, lengths, hash_off, (src, dst, first, total) = self.arena.prepare(slots)
+        b = self.backend
+        a = self.arena
+        if total:
+            self.kernels.hash_blocks(a.tokens, b.to_device(src), b.to_device(dst), b.to_device(first), a.hashes, self.T, total)
+        return a.tokens, b.to_device(starts), b.to_device(lengths), a.hashes, b.to_device(hash_off)
+
+    def _scopes(self, scopes, B):
+        """Per-request ``(scope ids, root keys)``; -1 for a scope never used."""
+        xp = self.backend.xp
+        if scopes is None or isinstance(scopes, ReuseScope):
+            sid = self.tree.scope_id(scopes)
+            key = self.tree.scope_key(sid) if sid >= 0 else 0
+            return xp.full(B, sid, dtype=np.int64), xp.full(B, key, dtype=np.int64)
+        if isinstance(scopes, (str, bytes)) or not hasattr(scopes, "__len__"):
+            raise TypeError("scopes must be None, one gpukv.ReuseScope, or one per request")
+        if len(scopes) != B:
+            raise ValueError(f"scopes must have one entry per request ({B}), got {len(scopes)}")
+        ids = np.empty(B, dtype=np.int64)
+        keys = np.zeros(B, dtype=np.int64)
+        for i, s in enumerate(scopes):
+            try:
+                as_scope(s)
+            except TypeError as e:
+                raise TypeError(f"request {i}: {e}") from None
+            ids[i] = self.tree.scope_id(s)
+            if ids[i] >= 0:
+                keys[i] = self.tree.scope_key(ids[i])
+        return self.backend.to_device(ids), self.backend.to_device(keys)
+
+    # -- matching ---------------------------------------------------------------------
+    def match(self, requests, scopes=None, partial=None, backoff=None) -> BatchMatch:
+        xp = self.backend.xp
+        partial = self.default_partial if partial is None else partial
+        backoff = self.default_backoff if backoff is None else backoff
+        toks, starts, lengths, hashes, hash_off = self._pack(requests)
+        B = int(starts.shape[0])
+        scope_ids, scope_keys = self._scopes(scopes, B)
+        path_off = xp.zeros(B + 1, dtype=np.int64)
+        if B:
+            xp.cumsum((lengths + self.T - 1) // self.T, out=path_off[1:])
+        path = xp.empty(max(int(path_off[-1]), 1), dtype=np.int64)
+        res = xp.zeros((B, RES_WIDTH), dtype=np.int64)
+        if B:
+            self.kernels.match(
+                self.tables.device, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys,
+                bool(partial), int(backoff), self.ssm_lc, path, path_off, res,
+            )
+        block_offsets = xp.zeros(B + 1, dtype=np.int64)
+        if B:
+            xp.cumsum(res[:, RES_NUM_BLOCKS], out=block_offsets[1:])
+        block_ids = xp.empty(int(block_offsets[-1]), dtype=np.int64)
+        if B and block_ids.shape[0]:
+            self.kernels.compact(path, path_off, res, block_offsets, block_ids)
+        return BatchMatch(
+            num_tokens=res[:, RES_NUM_TOKENS],
+            num_lookup_tokens=res[:, RES_NUM_LOOKUP_TOKENS],
+            num_tokens_before_pruning=res[:, RES_BEFORE_PRUNING],
+            num_tokens_before_hybrid_pruning=res[:, RES_BEFORE_HYBRID_PRUNING],
+            block_offsets=block_offsets,
+            block_ids=block_ids,
+        )

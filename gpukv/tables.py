@@ -1,0 +1,234 @@
+"""The device tables: allocation, growth by doubling, free lists.
+
+``Tables`` owns every array of the index on the backend's device and hands the
+kernels a ``DeviceTables`` named tuple of them. Block rows come from a free-list
+stack and go back to it when a block is destroyed, so a long run with churn
+reuses rows instead of growing. The host keeps the stack stocked before each
+operation (``ensure_free_blocks``); when it runs low every block-indexed table
+doubles and the child index is rebuilt for the new size.
+
+Pages are fixed pools, one per (life cycle, cache level): a pool's rows are
+contiguous in the pages table and its free list is the matching stretch of
+``page_free`` with ``pool_top`` entries in use.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+
+from .backend import Backend
+from .config import CacheConfig
+from .kernels.sha256 import SHA256_WORK_WORDS
+from .kernels.tree import NUM_LEVELS
+from .layout import (
+    BLK_FLAGS,
+    BLK_HASH_NEXT,
+    BLK_KEY,
+    BLOCKS,
+    CNT_BLOCK_FREE_TOP,
+    CNT_LOG_LEN,
+    COUNTERS,
+    FLAG_ATTACHED,
+    FLAG_IN_USE,
+    LOG,
+    NULL,
+    PAGE_LEVEL,
+    PAGE_LIFE_CYCLE,
+    PAGE_POOL_INDEX,
+    PAGE_STATE,
+    PAGE_FREE,
+    PAGES,
+    SLOTS,
+)
+
+DeviceTables = namedtuple(
+    "DeviceTables",
+    [
+        "blocks",  # int64 [rows, BLOCKS.width]
+        "tokens",  # int32 [rows, T]
+        "slots",  # int32 [rows * L, SLOTS.width]
+        "pages",  # int64 [pages, PAGES.width]
+        "buckets",  # int64 [power of two]: child-index bucket heads
+        "block_free",  # int64 [rows]: free-row stack
+        "pool_start",  # int64 [L * levels]: first page row of each pool
+        "pool_top",  # int64 [L * levels]: free pages of each pool
+        "page_free",  # int64 [pages]: per-pool free stacks
+        "counters",  # int64 [COUNTERS.width]
+        "log",  # int64 [entries, LOG.width]
+        "lc_kind",  # int64 [L]
+        "lc_window",  # int64 [L]
+        "lc_sinks",  # int64 [L]: sink blocks
+        "mm_digests",  # uint8 [k, 32]: interned multimodal digests (token -1-i)
+        "work",  # uint32 [SHA256_WORK_WORDS]: scratch of the serial tree kernel
+    ],
+)
+
+INITIAL_BLOCK_ROWS = 256
+
+
+class Tables:
+    """Every array of one manager's index, on the backend's device."""
+
+    def __init__(self, config: CacheConfig, backend: Backend):
+        self.backend = backend
+        self.config = config
+        xp = backend.xp
+        self.xp = xp
+        T = config.tokens_per_block
+        L = len(config.life_cycles)
+        self.num_life_cycles = L
+        self.tokens_per_block = T
+        rows = INITIAL_BLOCK_ROWS
+        self.blocks = xp.full((rows, BLOCKS.width), NULL, dtype=np.int64)
+        self.blocks[:, BLK_FLAGS] = 0
+        self.tokens = xp.zeros((rows, T), dtype=np.int32)
+        self.slots = xp.zeros((rows * L, SLOTS.width), dtype=np.int32)
+        self.slots[:, 0] = NULL
+        self.buckets = xp.full(_pow2_at_least(2 * rows), NULL, dtype=np.int64)
+        # Pop order: row 0 first, so a young table is easy to read.
+        self.block_free = xp.arange(rows - 1, -1, -1, dtype=np.int64)
+        self.counters = xp.zeros(COUNTERS.width, dtype=np.int64)
+        self.counters[CNT_BLOCK_FREE_TOP] = rows
+        self.log = xp.zeros((_log_rows(rows), LOG.width), dtype=np.int64)
+
+        gpu = config.pages_per_life_cycle_list()
+        host = config.pages_per_life_cycle_list(host=True)
+        sizes = []  # pool order: lc-major, level-minor
+        for lc in range(L):
+            sizes += [gpu[lc], host[lc]]
+        assert NUM_LEVELS == 2
+        sizes = np.array(sizes, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        total = int(sizes.sum())
+        pages = np.full((total, PAGES.width), NULL, dtype=np.int64)
+        page_free = np.empty(total, dtype=np.int64)
+        for pool, (start, size) in enumerate(zip(starts, sizes)):
+            rows_of_pool = np.arange(start, start + size, dtype=np.int64)
+            pages[rows_of_pool, PAGE_LIFE_CYCLE] = pool // NUM_LEVELS
+            pages[rows_of_pool, PAGE_LEVEL] = pool % NUM_LEVELS
+            pages[rows_of_pool, PAGE_POOL_INDEX] = rows_of_pool - start
+            pages[rows_of_pool, PAGE_STATE] = PAGE_FREE
+            page_free[start:start + size] = rows_of_pool[::-1]  # pop lowest first
+        self.pages = backend.to_device(pages)
+        self.page_free = backend.to_device(page_free)
+        self.pool_start = backend.to_device(starts)
+        self.pool_top = backend.to_device(sizes.copy())
+
+        kind, window, sinks = config.life_cycle_arrays()
+        self.lc_kind = backend.to_device(kind)
+        self.lc_window = backend.to_device(window)
+        self.lc_sinks = backend.to_device(sinks)
+        self.mm_digests = xp.zeros((1, 32), dtype=np.uint8)
+        self.num_mm_digests = 0
+        self._mm_index: dict[bytes, int] = {}
+        self.work = xp.zeros(SHA256_WORK_WORDS, dtype=np.uint32)
+
+    # -- views ------------------------------------------------------------------
+    @property
+    def device(self) -> DeviceTables:
+        return DeviceTables(*(getattr(self, f) for f in DeviceTables._fields))
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.blocks.shape[0])
+
+    def counters_host(self) -> np.ndarray:
+        return self.backend.to_host(self.counters)
+
+    # -- growth -----------------------------------------------------------------
+    def ensure_free_blocks(self, needed: int):
+        """Make sure ``needed`` block rows can be allocated without growing."""
+        free = int(self.counters_host()[CNT_BLOCK_FREE_TOP])
+        if free >= needed:
+            return
+        old = self.num_rows
+        live = old - free
+        new = old
+        while new - live < needed:
+            new *= 2
+        self._grow_blocks(old, new, free)
+
+    def _grow_blocks(self, old: int, new: int, free: int):
+        xp = self.xp
+        L = self.num_life_cycles
+        extra = new - old
+        blocks = xp.full((new, BLOCKS.width), NULL, dtype=np.int64)
+        blocks[:old] = self.blocks
+        blocks[old:, BLK_FLAGS] = 0
+        tokens = xp.zeros((new, self.tokens_per_block), dtype=np.int32)
+        tokens[:old] = self.tokens
+        slots = xp.zeros((new * L, SLOTS.width), dtype=np.int32)
+        slots[: old * L] = self.slots
+        slots[old * L:, 0] = NULL
+        block_free = xp.empty(new, dtype=np.int64)
+        # New rows go under the existing free entries, lowest popped first.
+        block_free[:extra] = xp.arange(new - 1, old - 1, -1, dtype=np.int64)
+        block_free[extra:extra + free] = self.block_free[:free]
+        self.blocks, self.tokens, self.slots, self.block_free = blocks, tokens, slots, block_free
+        self.counters[CNT_BLOCK_FREE_TOP] = free + extra
+        # The log is drained after every operation, so it is empty here.
+        self.log = xp.zeros((_log_rows(new), LOG.width), dtype=np.int64)
+        self._rebuild_index(_pow2_at_least(2 * new))
+
+    def _rebuild_index(self, num_buckets: int):
+        """Re-chain every indexed row (attached blocks and roots) into new buckets."""
+        xp = self.xp
+        flags = self.blocks[:, BLK_FLAGS]
+        rows = xp.nonzero((flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED))[0]
+        buckets = xp.full(num_buckets, NULL, dtype=np.int64)
+        self.blocks[:, BLK_HASH_NEXT] = NULL
+        if rows.size:
+            b = self.blocks[rows, BLK_KEY] & (num_buckets - 1)
+            order = xp.argsort(b, kind="stable") if xp is np else xp.argsort(b)
+            rows, b = rows[order], b[order]
+            same_next = xp.zeros(rows.size, dtype=bool)
+            same_next[:-1] = b[1:] == b[:-1]
+            nxt = xp.full(rows.size, NULL, dtype=np.int64)
+            nxt[:-1] = xp.where(same_next[:-1], rows[1:], NULL)
+            self.blocks[rows, BLK_HASH_NEXT] = nxt
+            first = xp.ones(rows.size, dtype=bool)
+            first[1:] = b[1:] != b[:-1]
+            buckets[b[first]] = rows[first]
+        self.buckets = buckets
+
+    # -- multimodal digests -----------------------------------------------------
+    def intern_digest(self, digest: bytes) -> int:
+        """The token id standing for a 32-byte multimodal digest (negative)."""
+        i = self._mm_index.get(digest)
+        if i is None:
+            i = self.num_mm_digests
+            if i >= self.mm_digests.shape[0]:
+                grown = self.xp.zeros((2 * self.mm_digests.shape[0], 32), dtype=np.uint8)
+                grown[:i] = self.mm_digests
+                self.mm_digests = grown
+            self.mm_digests[i] = self.xp.asarray(np.frombuffer(digest, dtype=np.uint8))
+            self._mm_index[digest] = i
+            self.num_mm_digests = i + 1
+        return -1 - i
+
+    def digest_of_token(self, token: int) -> bytes:
+        return bytes(self.backend.to_host(self.mm_digests[-1 - token]))
+
+    # -- the change log ----------------------------------------------------------
+    def drain_log(self) -> np.ndarray:
+        """The log records since the last drain (as host rows), then empty it."""
+        n = int(self.counters_host()[CNT_LOG_LEN])
+        if n == 0:
+            return np.zeros((0, LOG.width), dtype=np.int64)
+        records = self.backend.to_host(self.log[:n]).copy()
+        self.counters[CNT_LOG_LEN] = 0
+        return records
+
+
+def _log_rows(block_rows: int) -> int:
+    """One operation logs at most one record per row (removal) plus its creations."""
+    return 2 * block_rows + 64
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p

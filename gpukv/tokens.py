@@ -1,0 +1,145 @@
+"""Turning caller token sequences into flat int32 arrays, with validation.
+
+A token is an int in ``0..2**31-1`` or a 32-byte multimodal digest; digests are
+interned by the tables and stand in the arrays as negative ids. Errors name the
+request index and the position of the bad token.
+
+Python lists go through ``struct.pack_into``: it converts in C and rejects
+non-integers and values outside int32 on the way, so validation costs one
+vectorized sign check on top of the conversion itself.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .config import MAX_TOKEN_ID
+
+DIGEST_BYTES = 32
+
+
+class TokenError(ValueError):
+    """A token sequence holds something that is not a valid token."""
+
+
+def _where(request: int | None) -> str:
+    return "" if request is None else f"request {request}: "
+
+
+def token_array(tokens, intern: Callable[[bytes], int], request: int | None = None) -> np.ndarray:
+    """One sequence as a validated int32 array (digests interned)."""
+    if isinstance(tokens, np.ndarray):
+        return _from_ndarray(tokens, request)
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+        raise TypeError(f"{_where(request)}tokens must be a sequence of ints, got {type(tokens).__name__}")
+    out = np.empty(len(tokens), dtype=np.int32)
+    try:
+        struct.pack_into(f"={len(out)}i", out, 0, *tokens)
+    except struct.error:
+        return _slow(tokens, intern, request)
+    _check_sign(out, request)
+    return out
+
+
+def flatten(requests: Sequence, intern: Callable[[bytes], int]) -> tuple[np.ndarray, np.ndarray]:
+    """Many sequences as ``(flat int32 tokens, int64 offsets of length B+1)``."""
+    if isinstance(requests, (str, bytes, np.ndarray)) or not hasattr(requests, "__len__"):
+        raise TypeError("requests must be a list of token sequences or a (flat_tokens, offsets) pair")
+    lengths = np.fromiter(map(len, requests), dtype=np.int64, count=len(requests))
+    offsets = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.empty(int(offsets[-1]), dtype=np.int32)
+    digest_requests = []  # converted token by token; negative ids there are digests
+    for i, r in enumerate(requests):  # one C call per request; no per-token Python
+        lo, hi = offsets[i], offsets[i + 1]
+        if type(r) is list or type(r) is tuple:
+            try:
+                struct.pack_into(f"={hi - lo}i", flat, 4 * lo, *r)
+                continue
+            except struct.error:
+                digest_requests.append(i)
+        flat[lo:hi] = token_array(r, intern, request=i)
+    if flat.size and int(flat.min()) < 0:
+        negative = np.nonzero(flat < 0)[0]
+        owner = np.searchsorted(offsets, negative, side="right") - 1
+        bad = ~np.isin(owner, digest_requests)
+        if bad.any():
+            k = int(np.argmax(bad))
+            i, pos = int(owner[k]), int(negative[k] - offsets[owner[k]])
+            raise TokenError(f"request {i}: token {int(flat[negative[k]])} at position {pos} is outside 0..{MAX_TOKEN_ID}")
+    return flat, offsets
+
+
+def check_flat(flat, offsets, xp) -> tuple:
+    """Validate a caller-built ``(flat_tokens, offsets)`` pair on its device."""
+    if not hasattr(flat, "dtype") or not hasattr(offsets, "dtype"):
+        raise TypeError("(flat_tokens, offsets) must be integer arrays")
+    if flat.ndim != 1 or offsets.ndim != 1:
+        raise ValueError("flat_tokens and offsets must be 1-D arrays")
+    if flat.dtype.kind not in "iu":
+        raise TypeError(f"flat_tokens must hold integers, got dtype {flat.dtype}")
+    if offsets.dtype.kind not in "iu":
+        raise TypeError(f"offsets must hold integers, got dtype {offsets.dtype}")
+    if offsets.shape[0] < 1:
+        raise ValueError("offsets must have length B+1 >= 1")
+    offsets = offsets.astype(np.int64, copy=False)
+    if int(offsets[0]) != 0:
+        raise ValueError(f"offsets must start at 0, got {int(offsets[0])}")
+    if int(offsets[-1]) != flat.shape[0]:
+        raise ValueError(f"offsets must end at the token count {flat.shape[0]}, got {int(offsets[-1])}")
+    steps = offsets[1:] - offsets[:-1]
+    if steps.size and int(steps.min()) < 0:
+        i = int(xp.argmax(steps < 0))
+        raise ValueError(f"request {i}: offsets must be non-decreasing ({int(offsets[i])} > {int(offsets[i + 1])})")
+    if flat.size:
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < 0 or hi > MAX_TOKEN_ID:
+            bad = int(xp.argmax((flat < 0) | (flat > MAX_TOKEN_ID)))
+            i = int(np.searchsorted(_host(offsets), bad, side="right") - 1)
+            raise TokenError(
+                f"request {i}: token {int(flat[bad])} at position {bad - int(offsets[i])} is outside 0..{MAX_TOKEN_ID}"
+            )
+    return flat.astype(np.int32, copy=False), offsets
+
+
+def _host(a):
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _from_ndarray(a: np.ndarray, request) -> np.ndarray:
+    if a.ndim != 1:
+        raise ValueError(f"{_where(request)}tokens must be 1-D, got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{_where(request)}tokens must be integers, got dtype {a.dtype}")
+    if a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi > MAX_TOKEN_ID:
+            bad = int(np.argmax((a < 0) | (a > MAX_TOKEN_ID)))
+            raise TokenError(f"{_where(request)}token {int(a[bad])} at position {bad} is outside 0..{MAX_TOKEN_ID}")
+    return a.astype(np.int32, copy=False)
+
+
+def _check_sign(a: np.ndarray, request):
+    if a.size and int(a.min()) < 0:
+        bad = int(np.argmax(a < 0))
+        raise TokenError(f"{_where(request)}token {int(a[bad])} at position {bad} is outside 0..{MAX_TOKEN_ID}")
+
+
+def _slow(tokens, intern, request) -> np.ndarray:
+    """Token by token: only for sequences holding digests (or errors)."""
+    out = np.empty(len(tokens), dtype=np.int32)
+    for pos, tok in enumerate(tokens):
+        if isinstance(tok, bytes):
+            if len(tok) != DIGEST_BYTES:
+                raise TokenError(f"{_where(request)}digest token at position {pos} must be 32 bytes, got {len(tok)}")
+            out[pos] = intern(tok)
+        elif isinstance(tok, (int, np.integer)):
+            if not 0 <= tok <= MAX_TOKEN_ID:
+                raise TokenError(f"{_where(request)}token {tok} at position {pos} is outside 0..{MAX_TOKEN_ID}")
+            out[pos] = tok
+        else:
+            raise TypeError(f"{_where(request)}token at position {pos} must be an int or 32-byte digest, got {tok!r}")
+    return out

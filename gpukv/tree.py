@@ -1,0 +1,203 @@
+"""The block radix tree, as the host drives it (semantics.md §2.1, §2.2, §2.7).
+
+``BlockTree`` validates each request, stocks the free lists, and launches the
+serial tree kernel (``kernels/tree.py``) for one operation. It also owns the
+reuse-scope registry: each scope gets an id, a fast root key and the root's
+SHA-256 digest, and one root per scope lives in the tables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kernels.keys import root_key64
+from .kernels.sha256 import digest_to_int64x4, int64x4_to_digest
+from .kernels.tree import (
+    OP_ADD,
+    OP_ADD_PAGE,
+    OP_CLEAR,
+    OP_CLEAR_STALE,
+    OP_INSERT,
+    OP_PAGE_DEATH,
+    OP_REMOVE_SUBTREE,
+    OP_UNLINK_PAGE,
+    build_tree_kernel,
+)
+from .layout import (
+    BLK_DIGEST,
+    BLK_FLAGS,
+    BLK_NUM_TOKENS,
+    CNT_ERROR,
+    ERR_NONE,
+    FLAG_ATTACHED,
+    FLAG_IN_USE,
+    FLAG_ROOT,
+    NULL,
+    PAGE_BLOCK,
+    PAGE_STATE,
+    PAGE_COMMITTED,
+)
+from .scope import ReuseScope, as_scope
+from .tables import Tables
+from .tokens import token_array
+
+
+class TreeError(RuntimeError):
+    """A tree kernel stopped on a condition the host should have prevented."""
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """A handle on one tree block: its row and its SHA-256 key.
+
+    Rows are recycled, so every use checks that the row still holds the block
+    with this key; a stale handle raises instead of touching another block."""
+
+    row: int
+    key: bytes
+
+
+class BlockTree:
+    def __init__(self, tables: Tables):
+        self.tables = tables
+        self.backend = tables.backend
+        self._run = build_tree_kernel(self.backend.target)
+        self._scope_ids: dict[ReuseScope, int] = {}
+        self._scope_keys: list[int] = []
+        self._scope_digests: list[np.ndarray] = []
+        self.log_sink: list | None = None  # tests collect the change log here
+
+    # -- scopes -------------------------------------------------------------------
+    def scope_id(self, scope, create: bool = False) -> int:
+        """The interned id of ``scope``; -1 if it was never used and not created."""
+        scope = as_scope(scope)
+        sid = self._scope_ids.get(scope)
+        if sid is None and create:
+            sid = len(self._scope_keys)
+            raw = scope.to_bytes()
+            self._scope_keys.append(root_key64(raw))
+            self._scope_digests.append(digest_to_int64x4(hashlib.sha256(raw).digest()))
+            self._scope_ids[scope] = sid
+        return -1 if sid is None else sid
+
+    def scope_key(self, sid: int) -> int:
+        return self._scope_keys[sid]
+
+    # -- kernel launch --------------------------------------------------------------
+    def _op(self, op: int, args=(), toks=None) -> np.ndarray:
+        b = self.backend
+        a = np.zeros(8, dtype=np.int64)
+        a[: len(args)] = args
+        t = np.zeros(max(1, self.tables.tokens_per_block), dtype=np.int32) if toks is None else toks
+        out = np.full(4, NULL, dtype=np.int64)
+        d_a, d_t, d_out = b.to_device(a), b.to_device(t), b.to_device(out)
+        self._run(self.tables.device, op, d_a, d_t, d_out)
+        out = b.to_host(d_out)
+        err = int(self.tables.counters_host()[CNT_ERROR])
+        records = self.tables.drain_log()
+        if self.log_sink is not None:
+            self.log_sink.extend(records)
+        if err != ERR_NONE:
+            raise TreeError(f"tree kernel stopped with error code {err}")
+        return out
+
+    # -- reading rows -------------------------------------------------------------
+    def row(self, r: int) -> np.ndarray:
+        return self.backend.to_host(self.tables.blocks[r])
+
+    def key_of(self, r: int) -> bytes:
+        return int64x4_to_digest(self.row(r)[BLK_DIGEST:BLK_DIGEST + 4])
+
+    def resolve(self, ref: BlockRef, what: str = "block") -> int:
+        if not isinstance(ref, BlockRef):
+            raise TypeError(f"{what} must be a gpukv BlockRef, got {type(ref).__name__}")
+        if not 0 <= ref.row < self.tables.num_rows:
+            raise ValueError(f"{what} refers to row {ref.row}, outside the table")
+        row = self.row(ref.row)
+        if not row[BLK_FLAGS] & FLAG_IN_USE or self.key_of(ref.row) != ref.key:
+            raise ValueError(f"{what} is stale: its block no longer exists")
+        return ref.row
+
+    def ref(self, r: int) -> BlockRef:
+        return BlockRef(int(r), self.key_of(r))
+
+    # -- operations -----------------------------------------------------------------
+    def add(self, tokens, parent: BlockRef | None = None, scope=None) -> tuple[BlockRef, bool]:
+        """``add_or_get`` (§2.2) under ``parent`` or under the scope's root."""
+        T = self.tables.tokens_per_block
+        arr = token_array(tokens, self.tables.intern_digest)
+        if not 1 <= arr.size <= T:
+            raise ValueError(f"a block holds 1..{T} tokens, got {arr.size}")
+        scope = as_scope(scope)
+        p = NULL
+        if parent is not None:
+            p = self.resolve(parent, "parent")
+            row = self.row(p)
+            if not row[BLK_FLAGS] & FLAG_ATTACHED:
+                raise ValueError("parent is detached from the tree (an orphan)")
+            if not row[BLK_FLAGS] & FLAG_ROOT and row[BLK_NUM_TOKENS] != T:
+                raise ValueError(f"parent is a partial block ({row[BLK_NUM_TOKENS]} of {T} tokens); only full blocks have children")
+        sid = self.scope_id(scope, create=True)
+        toks = np.zeros(T, dtype=np.int32)
+        toks[: arr.size] = arr
+        self.tables.ensure_free_blocks(2)
+        out = self._op(OP_ADD, (sid, self._scope_keys[sid], p, arr.size, *self._scope_digests[sid]), toks)
+        return self.ref(out[0]), bool(out[1])
+
+    def insert(self, tokens, scope=None) -> int:
+        """Add every block of a token sequence (one launch), each with a fresh
+        page of full coverage per life cycle where strictly wider. Returns the
+        number of blocks that got their pages (fewer when a pool runs dry)."""
+        T = self.tables.tokens_per_block
+        arr = token_array(tokens, self.tables.intern_digest)
+        if arr.size == 0:
+            return 0
+        sid = self.scope_id(scope, create=True)
+        self.tables.ensure_free_blocks(-(-arr.size // T) + 1)
+        out = self._op(OP_INSERT, (sid, self._scope_keys[sid], arr.size, 0, *self._scope_digests[sid]), arr)
+        return int(out[3])
+
+    def add_page(self, block: BlockRef, lc: int, coverage: int) -> int:
+        """A fresh committed page of ``coverage`` tokens installed in ``block``'s
+        slot when strictly wider than the incumbent; returns it, or NULL."""
+        r = self.resolve(block)
+        self._check_lc(lc)
+        n = int(self.row(r)[BLK_NUM_TOKENS])
+        if not 1 <= coverage <= n:
+            raise ValueError(f"coverage must be in 1..{n} (the block's tokens), got {coverage}")
+        return int(self._op(OP_ADD_PAGE, (r, lc, coverage))[0])
+
+    def unlink_page(self, block: BlockRef, lc: int, expected: int = NULL) -> int:
+        r = self.resolve(block)
+        self._check_lc(lc)
+        return int(self._op(OP_UNLINK_PAGE, (r, lc, expected))[0])
+
+    def page_death(self, page: int):
+        """A committed page lost its last owner (§2.7)."""
+        pages = self.tables.pages
+        if not 0 <= page < pages.shape[0]:
+            raise ValueError(f"page {page} does not exist")
+        if int(self.backend.to_host(pages[page, PAGE_STATE])) != PAGE_COMMITTED:
+            raise ValueError(f"page {page} is not a committed page")
+        self._op(OP_PAGE_DEATH, (page,))
+
+    def page_block(self, page: int) -> int:
+        return int(self.backend.to_host(self.tables.pages[page, PAGE_BLOCK]))
+
+    def remove_subtree(self, block: BlockRef):
+        self._op(OP_REMOVE_SUBTREE, (self.resolve(block),))
+
+    def clear_stale_blocks_after_page_unlink(self, block: BlockRef, lc: int):
+        self._check_lc(lc)
+        self._op(OP_CLEAR_STALE, (self.resolve(block), lc))
+
+    def clear(self):
+        self._op(OP_CLEAR)
+
+    def _check_lc(self, lc):
+        L = self.tables.num_life_cycles
+        if not isinstance(lc, (int, np.integer)) or not 0 <= lc < L:
+            raise ValueError(f"life_cycle_id must be in 0..{L - 1}, got {lc!r}")
