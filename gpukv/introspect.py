@@ -278,7 +278,7 @@ def dump(mgr) -> str:
                 continue
             stack.append((raw[r, BLK_NEXT_SIBLING], depth))
             n = raw[r, BLK_NUM_TOKENS]
-            shown = list(toks[r, : min(n, 6)])
+            shown = [int(x) for x in toks[r, : min(n, 6)]]
             tail = "..." if n > 6 else ""
             pages = " ".join(
                 "-" if slots[r * L + lc, 0] == NULL else f"{slots[r * L + lc, 0]}:{slots[r * L + lc, 1]}"
@@ -288,3 +288,11 @@ def dump(mgr) -> str:
             lines.append(f"{'  ' * depth}B{raw[r, BLK_ORDINAL]}/{n} row {r} {key} {shown}{tail} [{pages}]")
             stack.append((raw[r, BLK_FIRST_CHILD], depth + 1))
     return "\n".join(lines) if lines else "(empty tree)"
+
+
+def insert_sequence(mgr, tokens, scope=None) -> int:
+    """Add every block of ``tokens`` to the tree in one launch, each with a
+    fresh page of full coverage per life cycle (where strictly wider), as a
+    finished request would leave them. Builds trees for benchmarks and
+    simulations; returns the number of blocks that got pages."""
+    return mgr._tree.insert(tokens, scope)
