@@ -28,6 +28,7 @@ from .kernels.tree import (
 )
 from .layout import (
     BLK_DIGEST,
+    BLK_SCOPE,
     BLK_FLAGS,
     BLK_NUM_TOKENS,
     CNT_ERROR,
@@ -131,16 +132,20 @@ class BlockTree:
         arr = token_array(tokens, self.tables.intern_digest)
         if not 1 <= arr.size <= T:
             raise ValueError(f"a block holds 1..{T} tokens, got {arr.size}")
-        scope = as_scope(scope)
         p = NULL
-        if parent is not None:
+        if parent is None:
+            sid = self.scope_id(scope, create=True)
+        else:
+            # A child lives in its parent's scope; a different explicit scope is a mistake.
             p = self.resolve(parent, "parent")
             row = self.row(p)
             if not row[BLK_FLAGS] & FLAG_ATTACHED:
                 raise ValueError("parent is detached from the tree (an orphan)")
             if not row[BLK_FLAGS] & FLAG_ROOT and row[BLK_NUM_TOKENS] != T:
                 raise ValueError(f"parent is a partial block ({row[BLK_NUM_TOKENS]} of {T} tokens); only full blocks have children")
-        sid = self.scope_id(scope, create=True)
+            sid = int(row[BLK_SCOPE])
+            if scope is not None and self.scope_id(scope) != sid:
+                raise ValueError("scope differs from the parent's scope")
         toks = np.zeros(T, dtype=np.int32)
         toks[: arr.size] = arr
         self.tables.ensure_free_blocks(2)

@@ -243,7 +243,8 @@ class Block:
 
     def __repr__(self) -> str:
         covs = ",".join(str(self.cov(i)) for i in range(len(self.slots)))
-        return f"Block(ord={self.ordinal}, key={self.key.hex()[:8]}, n={len(self.tokens)}, cov=[{covs}]{', orphan' if self.prev is None else ''})"
+        orphan = ", orphan" if self.prev is None else ""
+        return f"Block(ord={self.ordinal}, key={self.key.hex()[:8]}, n={len(self.tokens)}, cov=[{covs}]{orphan})"
 
 
 @dataclass
@@ -640,7 +641,7 @@ class Oracle:
                 for i in list(range(0, sb)) + list(range(se, len(matched))):
                     block, n = matched[i]
                     c = block.cov(lc)
-                    if c > n:
+                    if c >= n:
                         continue
                     if c > 0:  # clamp inside block i
                         matched = matched[: i + 1]
@@ -750,15 +751,20 @@ class Oracle:
                 self.replace_page(block, lc, self.new_page(lc, c))
         return block
 
-    def check_sanity(self) -> None:
-        """§3 invariants 1-7 and 10; raises AssertionError on a violation."""
+    def check_sanity(self, strict_roots: bool = False) -> None:
+        """§3 invariants 1-7 and 10; raises AssertionError on a violation.
+
+        A childless root is legal between ``root(scope)`` and the first insertion
+        (invariant 1 calls it transient); ``strict_roots=True`` rejects it, for
+        callers that know no such operation is in flight."""
         attached = self.attached_blocks()
         attached_ids = {id(b) for b in attached.values()}
         # 1. roots
         for k, root in self.next.items():
             assert isinstance(root, Root)
-            assert k == root.key == root_key(root.scope), "root key = SHA256(scope bytes)"
+            assert k == root.key == root_key(root.scope), "1. root key = SHA256(scope bytes)"
             assert root.prev is self
+            assert not strict_roots or root.next, "1. a childless root outside an operation"
         # 2-4. attached blocks
         parents: list[Union[Root, Block]] = list(self.next.values()) + list(attached.values())
         for p in parents:

@@ -8,10 +8,10 @@ import hashlib
 
 import pytest
 
-try:  # works whether or not tests/ is a package
-    from tests.oracle import FULL, SSM, SWA, Block, LifeCycle, Oracle, block_key, root_key, scope_bytes
-except ImportError:  # pragma: no cover
+try:  # tests/ is on sys.path under pytest's default import mode
     from oracle import FULL, SSM, SWA, Block, LifeCycle, Oracle, block_key, root_key, scope_bytes
+except ImportError:  # pragma: no cover - if tests/ becomes a package
+    from tests.oracle import FULL, SSM, SWA, Block, LifeCycle, Oracle, block_key, root_key, scope_bytes
 
 F = LifeCycle(FULL)
 
@@ -648,3 +648,66 @@ def test_check_sanity_catches_corruption():
     b.slots[0].alive = False
     with pytest.raises(AssertionError):
         o.check_sanity()
+
+
+# ---------------------------------------------------------------------------
+# Self-consistency on random trees (§3 invariants, §3.15 pruning guarantee)
+# ---------------------------------------------------------------------------
+
+LIFE_CYCLE_SETS = [[F], [F, S(3)], [S(2, 1), F, M], [S(1)], [F, M], [S(5), S(9)]]
+
+
+def assert_reusable(o: Oracle, path: list) -> None:
+    """§3.15: at the endpoint every live attention page covers its matched part,
+    and the SSM checkpoint is exactly the last block's matched count."""
+    n_tok = o.num_matched_tokens(path)
+    for lc, life_cycle in o.attention_life_cycles():
+        sb, se = life_cycle.stale_range(n_tok, o.T)
+        for i in list(range(sb)) + list(range(se, len(path))):
+            block, n = path[i]
+            assert block.cov(lc) >= n
+    if o.ssm_lc is not None and path:
+        block, n = path[-1]
+        assert block.cov(o.ssm_lc) == n
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_operations_keep_invariants(seed):
+    import random
+
+    rng = random.Random(seed)
+    T = rng.choice([2, 3, 4])
+    o = Oracle(T, LIFE_CYCLE_SETS[seed % len(LIFE_CYCLE_SETS)])
+    scopes = [DEFAULT, (1, None)]
+    sequences = [[rng.randrange(3) for _ in range(rng.randrange(1, 4 * T))] for _ in range(6)]
+    for _ in range(60):
+        op = rng.random()
+        attached = list(o.attached_blocks().values())
+        if op < 0.5:  # commit-like: a chain with random coverage per block
+            seq, scope = rng.choice(sequences), rng.choice(scopes)
+            parent = o.root(scope)
+            for start in range(0, len(seq), T):
+                chunk = seq[start : start + T]
+                covs = [rng.choice([0, rng.randint(1, len(chunk))]) for _ in o.life_cycles]
+                block = o.make_block(parent, chunk, covs)
+                if not block.is_full or len(chunk) < T:
+                    break
+                parent = block
+        elif op < 0.75 and attached:  # a page dies
+            pages = [p for b in attached for p in b.slots if p is not None]
+            if pages:
+                o.page_death(rng.choice(pages))
+        elif op < 0.85 and attached:
+            o.remove_subtree(rng.choice(attached))
+        elif op < 0.88:
+            o.clear()
+        o.release_orphans()
+        o.check_sanity()
+        for _ in range(3):
+            seq = rng.choice(sequences)
+            query = seq[: rng.randint(0, len(seq))] + [rng.randrange(3) for _ in range(rng.randrange(3))]
+            m = o.match(rng.choice(scopes), query, partial=rng.random() < 0.7, backoff=rng.choice([0, 0, 1, 2]))
+            assert m.num_tokens <= m.num_tokens_before_hybrid_pruning <= m.num_tokens_before_pruning <= m.num_lookup_tokens
+            assert m.num_tokens == o.num_matched_tokens(m.path) and m.blocks == [b for b, _ in m.path]
+            assert all(n == T for _, n in m.path[:-1]) and all(n >= 1 for _, n in m.path)
+            assert_reusable(o, m.path)

@@ -537,7 +537,7 @@ def _build_tree(target: str) -> SimpleNamespace:
 
 
 # -- the serial tree kernel: one operation per launch -----------------------------
-OP_ADD = 1  # args: scope id, scope key, parent (NULL = the scope's root), n, root digest[4]
+OP_ADD = 1  # args: scope id, scope key, parent (NULL: the scope's root, created if missing), n, root digest[4]
 OP_ADD_PAGE = 2  # args: block, life cycle, coverage -> out[0] = page (NULL if not wider)
 OP_UNLINK_PAGE = 3  # args: block, life cycle, expected page
 OP_PAGE_DEATH = 4  # args: page

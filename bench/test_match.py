@@ -1,0 +1,136 @@
+"""Batched reuse matching on a Mooncake-trace tree, against a Python baseline.
+
+Per batch size (one benchmark group each), the same queries (the trace
+requests right after the inserted ones) as:
+
+* ``lists``: Python lists of ints, converted inside ``match_batch``;
+* ``flat``: one int32 array with int64 offsets;
+* ``registered``: ``TokenSequence``s created (and hashed by one match) before
+  timing, as a scheduler re-matching its waiting queue keeps them;
+* ``registered_cold``: fresh ``TokenSequence``s, so the timed match also
+  hashes every full block (creation itself is not timed);
+* ``baseline``: the plain-Python hash-chain walk (``HashChainIndex.match``);
+* ``convert``: merely turning the Python lists into one NumPy array.
+
+Every gpukv case asserts its answers equal the baseline's on full blocks and
+the independently computed partial-reuse answer exactly. Nothing asserts a
+timing: ``bench/report.py`` derives tokens/s and the goal ratios.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from matchbench import BATCHES, check_match
+
+
+def batches():
+    return [pytest.param(B, id=f"B{B}", marks=pytest.mark.benchmark(group=f"match B={B}")) for B in BATCHES]
+
+
+@pytest.mark.parametrize("B", batches())
+def test_gpukv_lists(benchmark, workload, B):
+    w = workload
+    w.require(B)
+    lists = w.lists[:B]
+    benchmark.extra_info.update(w.info(B, "lists"))
+    m = benchmark(w.mgr.match_batch, lists)
+    check_match(w, B, m)
+
+
+@pytest.mark.parametrize("B", batches())
+def test_gpukv_flat(benchmark, workload, B):
+    w = workload
+    w.require(B)
+    flat, offsets = w.flat(B)
+    benchmark.extra_info.update(w.info(B, "flat"))
+    m = benchmark(w.mgr.match_batch, (flat, offsets))
+    check_match(w, B, m)
+
+
+@pytest.mark.parametrize("B", batches())
+def test_gpukv_registered(benchmark, workload, B):
+    w = workload
+    w.require(B)
+    seqs = w.registered[:B]  # created and hashed in the fixture, outside timing
+    benchmark.extra_info.update(w.info(B, "registered"))
+    m = benchmark(w.mgr.match_batch, seqs)
+    check_match(w, B, m)
+
+
+@pytest.mark.parametrize("B", batches())
+def test_gpukv_registered_cold(benchmark, workload, B):
+    w = workload
+    w.require(B)
+    made = []
+
+    def fresh():
+        for s in made:  # give the previous round's arena space back (untimed)
+            s.release()
+        made[:] = [w.mgr.token_sequence(q) for q in w.queries[:B]]
+        return (list(made),), {}
+
+    benchmark.extra_info.update(w.info(B, "registered_cold"))
+    rounds = 5 if B >= 64 else 50
+    m = benchmark.pedantic(w.mgr.match_batch, setup=fresh, rounds=rounds, iterations=1)
+    check_match(w, B, m)
+    for s in made:
+        s.release()
+
+
+@pytest.mark.parametrize("B", batches())
+def test_baseline_python_hash_chain(benchmark, workload, B):
+    w = workload
+    w.require(B)
+    lists = w.lists[:B]
+    benchmark.extra_info.update(w.info(B, "baseline"))
+    got = benchmark(w.baseline.match, lists)
+    assert np.array_equal(np.array(got, dtype=np.int64), w.expected_full[:B])
+
+
+@pytest.mark.parametrize("B", batches())
+def test_convert_lists_to_numpy(benchmark, workload, B):
+    w = workload
+    w.require(B)
+    lists = w.lists[:B]
+    total = sum(map(len, lists))
+    benchmark.extra_info.update(w.info(B, "convert"))
+
+    def convert():
+        return np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=total)
+
+    flat = benchmark(convert)
+    assert np.array_equal(flat, w.flat(B)[0])
+
+
+@pytest.mark.benchmark(group="match rewound B=64")
+def test_partial_reuse_on_rewound_queries(benchmark, workload):
+    """A correctness check more than a benchmark (timed only so that
+    ``--benchmark-only`` runs it): the trace's divergent blocks differ from
+    their first token, so the timed queries barely exercise partial reuse.
+    Here inserted
+    requests are rewound to non-block-aligned points and continued with new
+    tokens (an edit); gpukv must return exactly the rewind point, and agree
+    with the reference on every answer."""
+    w = workload
+    rng = np.random.default_rng(0)
+    picks = rng.choice(len(w.inserted_seqs), size=64, replace=False)
+    queries, cuts = [], []
+    for i in picks:
+        src = w.inserted_seqs[int(i)]
+        cut = int(rng.integers(1, src.size))
+        cut -= cut % 32 == 0  # never on a block boundary
+        new = (src[cut:cut + 50].astype(np.int64) + 1) % 2**31  # differs from src at every position
+        queries.append(np.concatenate([src[:cut], new.astype(np.int32)]))
+        cuts.append(cut)
+    base = w.baseline
+    full = base.match([q.tolist() for q in queries])
+    expected = [base.expected_partial(q, n) for q, n in zip(queries, full)]
+    benchmark.extra_info.update(query_tokens=int(sum(q.size for q in queries)), reused_tokens=int(sum(expected)))
+    got = benchmark(w.mgr.match_batch, queries).to_host().num_tokens
+    assert got.tolist() == expected
+    assert all(e >= c for e, c in zip(expected, cuts))  # at least the rewind point is reused
+    assert sum(e % 32 != 0 for e in expected) >= 32  # and mostly mid-block
