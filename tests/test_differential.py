@@ -235,7 +235,7 @@ def test_cpu_agrees_with_oracle(case):
 
 
 @pytest.mark.cudasim
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=40, **SETTINGS)
 @given(scenario())
 def test_cuda_kernels_agree_with_oracle(case):
     model, T, ops = case
