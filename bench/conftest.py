@@ -14,7 +14,7 @@ import os
 import pytest
 
 from gpukv.workload import find_mooncake_trace
-from matchbench import BATCHES, MatchWorkload, build_workload
+from .matchbench import BATCHES, MatchWorkload, build_workload
 
 
 def _env_int(name, default):

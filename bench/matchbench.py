@@ -3,8 +3,7 @@ a reuse tree built from the Mooncake conversation trace, the query batches in
 every input shape, and the plain-Python hash-chain baseline built from the
 same requests.
 
-    import sys; sys.path.insert(0, "bench")
-    from matchbench import build_workload
+    from bench.matchbench import build_workload   # with the repository root on sys.path
     from gpukv.workload import find_mooncake_trace
     w = build_workload(find_mooncake_trace(), 4000, 1024)
 """

@@ -24,7 +24,7 @@ import itertools
 import numpy as np
 import pytest
 
-from matchbench import BATCHES, check_match
+from .matchbench import BATCHES, check_match
 
 
 def batches():

@@ -19,7 +19,9 @@ environment at import time.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -28,11 +30,31 @@ import numpy as np
 if os.environ.get("GPUKV_BACKEND") == "cudasim":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+def _kernel_source_digest() -> str:
+    """A digest of every source file kernels are compiled from.
+
+    Numba invalidates a cached kernel only when the kernel's own file changes,
+    not when an inlined helper or a layout constant from another module does.
+    Keying the cache folder on all of them makes any such change recompile."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for folder in (here, os.path.join(here, "kernels")):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(name.encode() + f.read())
+    return h.hexdigest()[:16]
+
+
 # Numba's on-disk cache: a second process loads compiled kernels instead of
 # recompiling them. Keep it out of the (possibly read-only) package folder.
-os.environ.setdefault(
-    "NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "gpukv-numba")
+CACHE_DIR = os.path.join(
+    os.environ.get("GPUKV_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "gpukv-numba")),
+    _kernel_source_digest(),
 )
+os.environ["NUMBA_CACHE_DIR"] = CACHE_DIR
+if "numba" in sys.modules:  # imported before gpukv: tell its live config too
+    sys.modules["numba"].config.CACHE_DIR = CACHE_DIR
 
 BACKENDS = ("auto", "cpu", "cuda", "cudasim")
 

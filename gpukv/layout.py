@@ -45,16 +45,19 @@ BLOCKS = Layout(
     "blocks",
     np.int64,
     [
+        # The fields a walk reads per hop come first, so they share a cache line.
         ("key", 1),  # fast 64-bit chain key: mix(parent key, content hash)
         ("parent", 1),  # parent row; NULL for a root and for an orphan
+        ("num_tokens", 1),  # 1..T (T for full blocks); 0 for roots
+        ("hash_next", 1),  # next row in this key's child-index bucket
+        ("first_next", 1),  # next row in this (parent, first token) bucket
+        ("serial", 1),  # creation order: siblings' insertion order
         ("first_child", 1),  # children in insertion order, as a doubly linked list
         ("last_child", 1),
         ("next_sibling", 1),
         ("prev_sibling", 1),
         ("num_children", 1),
-        ("hash_next", 1),  # next row in this key's child-index bucket
         ("ordinal", 1),  # parent ordinal + 1; roots are -1
-        ("num_tokens", 1),  # 1..T (T for full blocks); 0 for roots
         ("scope", 1),  # interned reuse-scope id
         ("flags", 1),  # FLAG_* bits below
         ("refs", 1),  # sequences referring to this row (keeps an orphan's row alive)
@@ -112,6 +115,7 @@ COUNTERS = Layout(
         ("tick", 1),  # logical clock for LRU order
         ("error", 1),  # ERR_* set by a kernel that had to stop
         ("live_blocks", 1),
+        ("serial", 1),  # the next block serial
     ],
 )
 ERR_NONE = 0

@@ -21,17 +21,21 @@ import numpy as np
 from .backend import Backend
 from .config import CacheConfig
 from .kernels.sha256 import SHA256_WORK_WORDS
+from .kernels.keys import sibling_hash_np
 from .kernels.tree import NUM_LEVELS
 from .layout import (
+    BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
     BLK_KEY,
+    BLK_PARENT,
     BLOCKS,
     CNT_BLOCK_FREE_TOP,
     CNT_LOG_LEN,
     COUNTERS,
     FLAG_ATTACHED,
     FLAG_IN_USE,
+    FLAG_ROOT,
     LOG,
     NULL,
     PAGE_LEVEL,
@@ -50,7 +54,8 @@ DeviceTables = namedtuple(
         "tokens",  # int32 [rows, T]
         "slots",  # int32 [rows * L, SLOTS.width]
         "pages",  # int64 [pages, PAGES.width]
-        "buckets",  # int64 [power of two]: child-index bucket heads
+        "buckets",  # int64 [power of two]: child-index bucket heads (by key)
+        "sibling_buckets",  # int64 [power of two]: heads by (parent row, first token)
         "block_free",  # int64 [rows]: free-row stack
         "pool_start",  # int64 [L * levels]: first page row of each pool
         "pool_top",  # int64 [L * levels]: free pages of each pool
@@ -87,6 +92,7 @@ class Tables:
         self.slots = xp.zeros((rows * L, SLOTS.width), dtype=np.int32)
         self.slots[:, 0] = NULL
         self.buckets = xp.full(_pow2_at_least(2 * rows), NULL, dtype=np.int64)
+        self.sibling_buckets = xp.full(_pow2_at_least(2 * rows), NULL, dtype=np.int64)
         # Pop order: row 0 first, so a young table is easy to read.
         self.block_free = xp.arange(rows - 1, -1, -1, dtype=np.int64)
         self.counters = xp.zeros(COUNTERS.width, dtype=np.int64)
@@ -173,25 +179,34 @@ class Tables:
         self._rebuild_index(_pow2_at_least(2 * new))
 
     def _rebuild_index(self, num_buckets: int):
-        """Re-chain every indexed row (attached blocks and roots) into new buckets."""
+        """Re-chain every indexed row into new buckets: attached blocks and roots
+        by key, attached non-root blocks by (parent row, first token)."""
         xp = self.xp
         flags = self.blocks[:, BLK_FLAGS]
-        rows = xp.nonzero((flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED))[0]
-        buckets = xp.full(num_buckets, NULL, dtype=np.int64)
-        self.blocks[:, BLK_HASH_NEXT] = NULL
+        attached = (flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)
+        rows = xp.nonzero(attached)[0]
+        mask = num_buckets - 1
+        self.buckets = self._chain(rows, self.blocks[rows, BLK_KEY] & mask, BLK_HASH_NEXT, num_buckets)
+        rows = xp.nonzero(attached & ((flags & FLAG_ROOT) == 0))[0]
+        h = sibling_hash_np(self.backend.to_host(self.blocks[rows, BLK_PARENT]), self.backend.to_host(self.tokens[rows, 0]))
+        b = self.backend.to_device((h & np.uint64(mask)).astype(np.int64))
+        self.sibling_buckets = self._chain(rows, b, BLK_FIRST_NEXT, num_buckets)
+
+    def _chain(self, rows, bucket_of_row, next_col: int, num_buckets: int):
+        """Bucket heads for ``rows`` and their chain links, written vectorized."""
+        xp = self.xp
+        heads = xp.full(num_buckets, NULL, dtype=np.int64)
+        self.blocks[:, next_col] = NULL
         if rows.size:
-            b = self.blocks[rows, BLK_KEY] & (num_buckets - 1)
-            order = xp.argsort(b, kind="stable") if xp is np else xp.argsort(b)
-            rows, b = rows[order], b[order]
-            same_next = xp.zeros(rows.size, dtype=bool)
-            same_next[:-1] = b[1:] == b[:-1]
+            order = xp.argsort(bucket_of_row, kind="stable") if xp is np else xp.argsort(bucket_of_row)
+            rows, b = rows[order], bucket_of_row[order]
             nxt = xp.full(rows.size, NULL, dtype=np.int64)
-            nxt[:-1] = xp.where(same_next[:-1], rows[1:], NULL)
-            self.blocks[rows, BLK_HASH_NEXT] = nxt
+            nxt[:-1] = xp.where(b[1:] == b[:-1], rows[1:], NULL)
+            self.blocks[rows, next_col] = nxt
             first = xp.ones(rows.size, dtype=bool)
             first[1:] = b[1:] != b[:-1]
-            buckets[b[first]] = rows[first]
-        self.buckets = buckets
+            heads[b[first]] = rows[first]
+        return heads
 
     # -- multimodal digests -----------------------------------------------------
     def intern_digest(self, digest: bytes) -> int:

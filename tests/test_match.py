@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from gpukv import Attention, ReuseScope, Ssm, introspect
+from gpukv.layout import FLAG_ROOT
 from gpukv.tree import BlockRef
 
 try:  # works whether or not tests/ is a package
@@ -71,11 +72,12 @@ def check_batch(mgr, lookups, expected=None, scopes=None, expected_rows=None):
         assert len(m.blocks(i)) == -(-n // T), f"request {i}"
         if expected_rows is not None:
             assert m.blocks(i).tolist() == expected_rows[i], f"request {i}"
-        # reuse_match_pages runs the same match (no backoff) and reads those rows' slots
+        # reuse_match_pages runs the same match (no backoff) and reads those
+        # rows' slots (one life cycle per request, in turn, to keep it quick)
         if mgr.config.reuse_match_backoff == 0:
-            for lc in range(len(mgr.life_cycles)):
-                got = introspect.reuse_match_pages(mgr, toks, lc, per_scope[i], enable_partial=mgr.config.enable_partial_reuse)
-                assert got == (n, [slot(mgr, int(r), lc) for r in m.blocks(i)]), f"request {i}, life cycle {lc}"
+            lc = i % len(mgr.life_cycles)
+            got = introspect.reuse_match_pages(mgr, toks, lc, per_scope[i], enable_partial=mgr.config.enable_partial_reuse)
+            assert got == (n, [slot(mgr, int(r), lc) for r in m.blocks(i)]), f"request {i}, life cycle {lc}"
     if expected is not None:
         assert m.num_tokens.tolist() == list(expected)
 
@@ -175,13 +177,13 @@ def test_partial_search_with_more_than_32_children(backend):
     mgr = make_manager(backend, tokens_per_block=4, layers=F_ONLY)
     for k in range(40):
         assert introspect.insert_sequence(mgr, [k, 1, 2, 3]) == 1
-    root = int(introspect.tables(mgr)["blocks"][0]["first_child"])
-    kids = []
     blocks = introspect.tables(mgr)["blocks"]
-    while root != -1:
-        kids.append(root)
-        root = int(blocks[root]["next_sibling"])
-    assert len(kids) == 40
+    (root,) = np.nonzero(blocks["flags"] & FLAG_ROOT)[0]
+    kids, c = [], int(blocks[root]["first_child"])
+    while c != -1:
+        kids.append(c)
+        c = int(blocks[c]["next_sibling"])
+    assert len(kids) == 40 and blocks[root]["num_children"] == 40
 
     m = check_batch(mgr, [[39, 1, 9, 9], [35, 1, 2], [39, 1, 2, 3], [40, 1]], expected=[2, 3, 4, 0])
     assert m.blocks(0).tolist() == [kids[39]] and m.blocks(1).tolist() == [kids[35]]
@@ -224,12 +226,14 @@ def test_swa_skips_stale_blocks(backend):
     mgr = make_manager(backend, tokens_per_block=4, layers=[Attention(window=5)])
     a, b, c = chain(mgr, B0 + B1 + B2, [[1], [0], [4]])  # a: a stale partial page; b: none
 
-    m = check_batch(mgr, [B0 + B1 + B2, B0 + B1 + B2[:3]], expected=[12, 4])
+    m = check_batch(mgr, [B0 + B1 + B2, B0 + B1 + B2[:3]], expected=[12, 1])
+    # a's partial page and b's missing one do not constrain the match at 12
     assert m.blocks(0).tolist() == rows(a, b, c)
-    # at 11 the range is [0, 1): b is needed and has no page -> cut to 4;
-    # at 4 nothing is stale: a's S1 clamps -> 1 ... wait, see the next lines
-    assert diag(m, 1)[2] == 11
-    assert introspect.reuse_match_pages(mgr, B0 + B1 + B2, 0) == (12, [(slot(mgr, a.row, 0)), None, slot(mgr, c.row, 0)])
+    assert introspect.reuse_match_pages(mgr, B0 + B1 + B2, 0) == (12, [slot(mgr, a.row, 0), None, slot(mgr, c.row, 0)])
+    # at 11 the range is [0, 1): b is needed and has no page -> cut to 4; at 4
+    # nothing is stale and a's S1 clamps -> 1
+    assert diag(m, 1) == (1, 1, 11, 11)
+    assert m.blocks(1).tolist() == rows(a)
 
 
 def test_swa_window_covering_every_block_needs_every_page(backend):
@@ -427,12 +431,12 @@ def test_a_mixed_batch_equals_per_request_probes(backend):
     mgr = make_manager(backend, tokens_per_block=4, layers=[Attention(), Attention(window=5)])
     s1, s2 = ReuseScope(lora_id=1), ReuseScope(salt=2)
     a, b, c = chain(mgr, B0 + B1 + B2, [[4, 0], [4, 0], [4, 4]])  # S stale at 12 for a, b
-    d = introspect.make_test_block(mgr, [5, 6], [2, 2], parent=a)
+    introspect.make_test_block(mgr, [5, 9], [2, 2], parent=a)
     e, f = chain(mgr, B0 + B1, [[4, 4], [3, 4]], scope=s1)  # F3 on a full block: clamp
     lookups = [
         B0 + B1 + B2,  # 12: S skips a and b
         B0 + B1 + B2[:2],  # 10: S at 10 needs b -> cut to 4; at 4 needs a -> 0
-        B0 + [5, 6],  # exact key of the partial d: S at 6 needs a (none) -> 0
+        B0 + [5, 9],  # exact key of the partial [5, 9]: S at 6 needs a (none) -> 0
         B0 + B1,  # scope s1: F3 clamps -> 7
         B0 + [5],  # scope s1: partial 1 on f -> 5
         B0 + B1 + B2,  # unknown scope s2 -> 0

@@ -27,6 +27,9 @@ S33 = np.uint64(33)
 S32 = np.uint64(32)
 S27 = np.uint64(27)
 S37 = np.uint64(37)
+L1 = np.uint64(0x243F6A8885A308D3)  # lane seeds (digits of pi)
+L2 = np.uint64(0x13198A2E03707344)
+L3 = np.uint64(0xA4093822299F31D0)
 
 
 def build_keys(jit):
@@ -40,29 +43,61 @@ def build_keys(jit):
         return h
 
     @jit
+    def pair(tokens, k):
+        """Tokens ``k`` and ``k+1`` as one 64-bit word."""
+        return (np.uint64(tokens[k]) & LOW32) | ((np.uint64(tokens[k + 1]) & LOW32) << S32)
+
+    @jit
+    def mix_in(h, w):
+        h = (h ^ w) * M2
+        return (h << S27) | (h >> S37)
+
+    @jit
     def content_hash(tokens, start, n):
         """Hash of ``tokens[start:start+n]`` (its length included), as uint64.
 
-        Two tokens are folded per multiply so the serial dependency chain is
-        half as long as the token count.
-        """
-        h = np.uint64(n) * M1
-        i = 0
-        while i + 1 < n:
-            w = (np.uint64(tokens[start + i]) & LOW32) | ((np.uint64(tokens[start + i + 1]) & LOW32) << S32)
-            h = (h ^ w) * M2
-            h = (h << S27) | (h >> S37)
+        Four independent lanes take two tokens each per step, so the CPU
+        overlaps their multiplies instead of waiting on one serial chain; the
+        tail goes into lane 0 and the lanes are folded at the end."""
+        h0 = np.uint64(n) * M1
+        h1 = h0 ^ L1
+        h2 = h0 ^ L2
+        h3 = h0 ^ L3
+        i = start
+        end = start + n
+        while i + 8 <= end:
+            h0 = mix_in(h0, pair(tokens, i))
+            h1 = mix_in(h1, pair(tokens, i + 2))
+            h2 = mix_in(h2, pair(tokens, i + 4))
+            h3 = mix_in(h3, pair(tokens, i + 6))
+            i += 8
+        while i + 2 <= end:
+            h0 = mix_in(h0, pair(tokens, i))
             i += 2
-        if i < n:
-            h = (h ^ (np.uint64(tokens[start + i]) & LOW32)) * M2
-        return fmix64(h)
+        if i < end:
+            h0 = mix_in(h0, np.uint64(tokens[i]) & LOW32)
+        return fmix64(((h0 * M1 + h1) * M1 + h2) * M1 + h3)
 
     @jit
     def combine(parent_key, content):
         """Child key from the parent's key (int64 as stored) and a content hash."""
         return np.int64(fmix64((np.uint64(parent_key) * M1) ^ content))
 
-    return SimpleNamespace(fmix64=fmix64, content_hash=content_hash, combine=combine)
+    @jit
+    def sibling_hash(parent, first_token):
+        """Bucket hash of (parent row, first token): the children that can share
+        a prefix with a chunk are exactly those starting with its first token."""
+        h = ((np.uint64(parent) * M1) ^ (np.uint64(first_token) & LOW32)) * M2
+        return h ^ (h >> S32)
+
+    return SimpleNamespace(fmix64=fmix64, content_hash=content_hash, combine=combine, sibling_hash=sibling_hash)
+
+
+def sibling_hash_np(parents: np.ndarray, first_tokens: np.ndarray) -> np.ndarray:
+    """``sibling_hash`` over arrays (host side, for rebuilding the index)."""
+    with np.errstate(over="ignore"):
+        h = ((parents.astype(np.uint64) * M1) ^ (first_tokens.astype(np.int64).astype(np.uint64) & LOW32)) * M2
+        return h ^ (h >> S32)
 
 
 def root_key64(scope_bytes: bytes) -> int:

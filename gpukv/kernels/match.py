@@ -23,7 +23,7 @@ import numpy as np
 
 from ..backend import bind_globals, device_jit
 from ..config import KIND_SSM, KIND_SWA
-from ..layout import BLK_FIRST_CHILD, BLK_KEY, BLK_NEXT_SIBLING, BLK_NUM_TOKENS, NULL
+from ..layout import BLK_FIRST_NEXT, BLK_KEY, BLK_NUM_TOKENS, BLK_PARENT, BLK_SERIAL, NULL
 from .tree import build_tree
 
 RES_NUM_TOKENS = 0
@@ -43,6 +43,7 @@ def build_match(target: str) -> SimpleNamespace:
     find_child = t.find_child
     coverage = t.coverage
     find_root = t.find_root
+    sibling_hash = t.keys.sibling_hash
 
     @jit
     def common_prefix(S, r, toks, start, n):
@@ -56,19 +57,21 @@ def build_match(target: str) -> SimpleNamespace:
 
     @jit
     def best_partial_child(S, node, toks, start, n, out):
-        """The child sharing the strictly longest token prefix; first in
-        insertion order on ties. Every child is searched, however many."""
+        """The child sharing the strictly longest token prefix with the chunk;
+        the first in insertion order on ties. Every candidate is searched,
+        however many children the node has: the sibling index hands over just
+        the children that start with the chunk's first token."""
         best = NULL
         best_n = 0
-        c = S.blocks[node, BLK_FIRST_CHILD]
         first = toks[start]
+        c = S.sibling_buckets[np.int64(sibling_hash(node, first) & np.uint64(S.sibling_buckets.shape[0] - 1))]
         while c != NULL:
-            if S.tokens[c, 0] == first:  # most siblings differ at the first token
+            if S.blocks[c, BLK_PARENT] == node and S.tokens[c, 0] == first:
                 m = common_prefix(S, c, toks, start, n)
-                if m > best_n:
+                if m > best_n or (m == best_n and S.blocks[c, BLK_SERIAL] < S.blocks[best, BLK_SERIAL]):
                     best = c
                     best_n = m
-            c = S.blocks[c, BLK_NEXT_SIBLING]
+            c = S.blocks[c, BLK_FIRST_NEXT]
         out[0] = best
         out[1] = best_n
 
@@ -79,6 +82,9 @@ def build_match(target: str) -> SimpleNamespace:
         count = 0
         last_n = 0
         node = root
+        # The next key comes from this one, not from the matched row: the CPU
+        # can start the next lookup while this hit's tokens are still compared.
+        key = S.blocks[root, BLK_KEY] if root != NULL else 0
         j = 0
         while node != NULL and j * T < n_tok:
             n = min(T, n_tok - j * T)
@@ -86,7 +92,8 @@ def build_match(target: str) -> SimpleNamespace:
                 h = np.uint64(hashes[hash_base + j])
             else:
                 h = content_hash(toks, start + j * T, n)
-            r = find_child(S, node, combine(S.blocks[node, BLK_KEY], h), toks, start + j * T, n)
+            key = combine(key, h)
+            r = find_child(S, node, key, toks, start + j * T, n)
             if r != NULL:
                 path[base + count] = r
                 count += 1

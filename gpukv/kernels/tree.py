@@ -36,11 +36,14 @@ from ..layout import (
     BLK_PREV_SIBLING,
     BLK_REFS,
     BLK_SCOPE,
+    BLK_SERIAL,
+    BLK_FIRST_NEXT,
     BLK_WIDTH,
     CNT_BLOCK_FREE_TOP,
     CNT_ERROR,
     CNT_LIVE_BLOCKS,
     CNT_LOG_LEN,
+    CNT_SERIAL,
     ERR_LOG_FULL,
     ERR_NON_FULL_PARENT,
     ERR_OUT_OF_BLOCKS,
@@ -91,19 +94,33 @@ def _build_tree(target: str) -> SimpleNamespace:
     content_hash = keys.content_hash
     combine = keys.combine
     chain_digest = sha.chain_digest
+    sibling_hash = keys.sibling_hash
 
     # -- rows and the child index -------------------------------------------
+    @jit
+    def is_attached(S, r):
+        return (S.blocks[r, BLK_FLAGS] & FLAG_ATTACHED) != 0
+
+    @jit
+    def is_root(S, r):
+        return (S.blocks[r, BLK_FLAGS] & FLAG_ROOT) != 0
+
     @jit
     def bucket_of(S, key):
         return key & (S.buckets.shape[0] - 1)
 
     @jit
+    def sibling_bucket_of(S, parent, first_token):
+        return np.int64(sibling_hash(parent, first_token) & np.uint64(S.sibling_buckets.shape[0] - 1))
+
+    @jit
     def tokens_equal(S, r, toks, start, n):
-        row = S.tokens[r]
+        # Branch-free: the compiler vectorizes this; an early exit would not pay
+        # for itself, since a hash hit almost always matches in full.
+        diff = np.int32(0)
         for i in range(n):
-            if row[i] != toks[start + i]:
-                return False
-        return True
+            diff |= S.tokens[r, i] ^ toks[start + i]
+        return diff == 0
 
     @jit
     def find_child(S, parent, key, toks, start, n):
@@ -134,26 +151,39 @@ def _build_tree(target: str) -> SimpleNamespace:
 
     @jit
     def index_insert(S, r):
+        """Enter ``r`` in the child index and, unless a root, in the sibling index."""
         b = bucket_of(S, S.blocks[r, BLK_KEY])
         S.blocks[r, BLK_HASH_NEXT] = S.buckets[b]
         S.buckets[b] = r
+        if not is_root(S, r):
+            f = sibling_bucket_of(S, S.blocks[r, BLK_PARENT], S.tokens[r, 0])
+            S.blocks[r, BLK_FIRST_NEXT] = S.sibling_buckets[f]
+            S.sibling_buckets[f] = r
+
+    @jit
+    def unchain(S, heads, h, r, next_col):
+        """Remove ``r`` from the singly linked chain starting at ``heads[h]``."""
+        prev = NULL
+        cur = heads[h]
+        while cur != NULL and cur != r:
+            prev = cur
+            cur = S.blocks[cur, next_col]
+        if cur == NULL:
+            return
+        nxt = S.blocks[r, next_col]
+        if prev == NULL:
+            heads[h] = nxt
+        else:
+            S.blocks[prev, next_col] = nxt
+        S.blocks[r, next_col] = NULL
 
     @jit
     def index_remove(S, r):
-        b = bucket_of(S, S.blocks[r, BLK_KEY])
-        prev = NULL
-        cur = S.buckets[b]
-        while cur != NULL and cur != r:
-            prev = cur
-            cur = S.blocks[cur, BLK_HASH_NEXT]
-        if cur == NULL:
-            return
-        nxt = S.blocks[r, BLK_HASH_NEXT]
-        if prev == NULL:
-            S.buckets[b] = nxt
-        else:
-            S.blocks[prev, BLK_HASH_NEXT] = nxt
-        S.blocks[r, BLK_HASH_NEXT] = NULL
+        """Take ``r`` out of both indexes (while its parent is still set)."""
+        unchain(S, S.buckets, bucket_of(S, S.blocks[r, BLK_KEY]), r, BLK_HASH_NEXT)
+        if not is_root(S, r):
+            f = sibling_bucket_of(S, S.blocks[r, BLK_PARENT], S.tokens[r, 0])
+            unchain(S, S.sibling_buckets, f, r, BLK_FIRST_NEXT)
 
     @jit
     def alloc_block(S):
@@ -170,6 +200,8 @@ def _build_tree(target: str) -> SimpleNamespace:
         S.blocks[r, BLK_NUM_TOKENS] = 0
         S.blocks[r, BLK_FLAGS] = FLAG_IN_USE
         S.blocks[r, BLK_REFS] = 0
+        S.blocks[r, BLK_SERIAL] = S.counters[CNT_SERIAL]
+        S.counters[CNT_SERIAL] += 1
         L = S.lc_kind.shape[0]
         for lc in range(L):
             S.slots[r * L + lc, SLOT_PAGE] = NULL
@@ -310,14 +342,6 @@ def _build_tree(target: str) -> SimpleNamespace:
         S.blocks[r, BLK_NEXT_SIBLING] = NULL
         S.blocks[parent, BLK_NUM_CHILDREN] -= 1
 
-    @jit
-    def is_attached(S, r):
-        return (S.blocks[r, BLK_FLAGS] & FLAG_ATTACHED) != 0
-
-    @jit
-    def is_root(S, r):
-        return (S.blocks[r, BLK_FLAGS] & FLAG_ROOT) != 0
-
     # -- block lifetime -----------------------------------------------------------
     @call
     def release_block_pages(S, r):
@@ -409,15 +433,22 @@ def _build_tree(target: str) -> SimpleNamespace:
 
     @call
     def clear_tree(S):
-        """Remove every root's subtree (idempotent; roots go with their last child)."""
-        for r in range(S.blocks.shape[0]):
-            if (S.blocks[r, BLK_FLAGS] & FLAG_ROOT) != 0 and (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0:
-                while S.blocks[r, BLK_FIRST_CHILD] != NULL and (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0:
-                    remove_subtree(S, S.blocks[r, BLK_FIRST_CHILD])
-                if (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0:
-                    # a root that never got a child
-                    index_remove(S, r)
-                    free_block_row(S, r)
+        """Remove every root's subtree, roots in creation order (idempotent;
+        roots go with their last child)."""
+        while True:
+            r = NULL
+            for c in range(S.blocks.shape[0]):  # the oldest remaining root
+                if (S.blocks[c, BLK_FLAGS] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE):
+                    if r == NULL or S.blocks[c, BLK_SERIAL] < S.blocks[r, BLK_SERIAL]:
+                        r = c
+            if r == NULL:
+                return
+            while (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0 and S.blocks[r, BLK_FIRST_CHILD] != NULL:
+                remove_subtree(S, S.blocks[r, BLK_FIRST_CHILD])
+            if (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0:
+                # a root that never got a child
+                index_remove(S, r)
+                free_block_row(S, r)
 
     # -- creating blocks (§2.2) ---------------------------------------------------
     @call
@@ -469,16 +500,24 @@ def _build_tree(target: str) -> SimpleNamespace:
         if r != NULL:
             out[0] = r
             return
+        # Only siblings starting with the chunk's first token can cover it or
+        # be covered by it; the sibling index lists exactly those.
+        covering = NULL
         covered = NULL
-        c = S.blocks[parent, BLK_FIRST_CHILD]
+        c = S.sibling_buckets[sibling_bucket_of(S, parent, toks[start])]
         while c != NULL:
-            m = S.blocks[c, BLK_NUM_TOKENS]
-            if n < T and m >= n and tokens_equal(S, c, toks, start, n):
-                out[0] = c  # the useless-partial rule: an existing sibling covers it
-                return
-            if m < n and covered == NULL and tokens_equal(S, c, toks, start, m):
-                covered = c
-            c = S.blocks[c, BLK_NEXT_SIBLING]
+            if S.blocks[c, BLK_PARENT] == parent and S.tokens[c, 0] == toks[start]:
+                m = S.blocks[c, BLK_NUM_TOKENS]
+                if n < T and m >= n and tokens_equal(S, c, toks, start, n):
+                    # the useless-partial rule: the first (in insertion order) covering sibling
+                    if covering == NULL or S.blocks[c, BLK_SERIAL] < S.blocks[covering, BLK_SERIAL]:
+                        covering = c
+                elif m < n and tokens_equal(S, c, toks, start, m):
+                    covered = c  # prefixes of one chunk are nested: at most one exists
+            c = S.blocks[c, BLK_FIRST_NEXT]
+        if covering != NULL:
+            out[0] = covering
+            return
         r = alloc_block(S)
         if r == NULL:
             return
