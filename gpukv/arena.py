@@ -31,6 +31,10 @@ class TokenArena:
         xp = backend.xp
         self.tokens = xp.zeros(capacity_blocks * self.T, dtype=np.int32)
         self.hashes = xp.zeros(capacity_blocks, dtype=np.int64)
+        # The memo, indexed like hashes: the tree rows (and their serials) a
+        # sequence's leading full blocks matched last time.
+        self.memo_rows = xp.zeros(capacity_blocks, dtype=np.int64)
+        self.memo_serials = xp.zeros(capacity_blocks, dtype=np.int64)
         self.top_blocks = 0  # bump pointer, in blocks
         # Per-slot metadata on the host: where each sequence lives and how far
         # it is hashed. Freed slot ids are reused.
@@ -38,6 +42,9 @@ class TokenArena:
         self.length = np.zeros(16, dtype=np.int64)
         self.cap_blocks = np.zeros(16, dtype=np.int64)
         self.hashed = np.zeros(16, dtype=np.int64)
+        self.verified = np.zeros(16, dtype=np.int64)  # memoized blocks
+        self.memo_scope = np.zeros(16, dtype=np.int64)  # the scope id they matched under
+        self.memo_epoch = np.zeros(16, dtype=np.int64)  # the tree's detach count then
         self.live = np.zeros(16, dtype=bool)
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -50,7 +57,7 @@ class TokenArena:
             s = self._next_slot
             self._next_slot += 1
             if s >= self.start.size:
-                for name in ("start", "length", "cap_blocks", "hashed", "live"):
+                for name in ("start", "length", "cap_blocks", "hashed", "verified", "memo_scope", "memo_epoch", "live"):
                     old = getattr(self, name)
                     new = np.zeros(2 * old.size, dtype=old.dtype)
                     new[: old.size] = old
@@ -59,6 +66,7 @@ class TokenArena:
         self.cap_blocks[s] = MIN_SEGMENT_BLOCKS
         self.length[s] = 0
         self.hashed[s] = 0
+        self.verified[s] = 0
         self.live[s] = True
         return s
 
@@ -111,17 +119,20 @@ class TokenArena:
         self.top_blocks += blocks
         return start
 
+    _PER_BLOCK = ("hashes", "memo_rows", "memo_serials")  # device arrays indexed by block
+
     def _move(self, s: int, blocks: int):
         old_start, n = int(self.start[s]), int(self.length[s])
         old_block0 = old_start // self.T
-        hashed = int(self.hashed[s])
+        kept = int(self.hashed[s])  # hashed >= verified: one count covers all three
         self.live[s] = False  # while moving, a compaction must not keep the old copy
         tok = self.tokens[old_start:old_start + n].copy()
-        hsh = self.hashes[old_block0:old_block0 + hashed].copy()
+        per_block = [getattr(self, a)[old_block0:old_block0 + kept].copy() for a in self._PER_BLOCK]
         new_start = self._alloc(blocks)
         self.tokens[new_start:new_start + n] = tok
         b0 = new_start // self.T
-        self.hashes[b0:b0 + hashed] = hsh
+        for a, values in zip(self._PER_BLOCK, per_block):
+            getattr(self, a)[b0:b0 + kept] = values
         self.start[s] = new_start
         self.cap_blocks[s] = blocks
         self.live[s] = True
@@ -135,15 +146,18 @@ class TokenArena:
         while used + extra_blocks > capacity * 3 // 4:  # keep a quarter free after packing
             capacity *= 2
         tokens = xp.zeros(capacity * self.T, dtype=np.int32)
-        hashes = xp.zeros(capacity, dtype=np.int64)
+        per_block = {a: xp.zeros(capacity, dtype=np.int64) for a in self._PER_BLOCK}
         top = 0
         for s in live:  # rare: one copy per live sequence, on the device
             lo, n, h = int(self.start[s]), int(self.length[s]), int(self.hashed[s])
             tokens[top * self.T:top * self.T + n] = self.tokens[lo:lo + n]
-            hashes[top:top + h] = self.hashes[lo // self.T:lo // self.T + h]
+            for a, arr in per_block.items():
+                arr[top:top + h] = getattr(self, a)[lo // self.T:lo // self.T + h]
             self.start[s] = top * self.T
             top += int(self.cap_blocks[s])
-        self.tokens, self.hashes, self.top_blocks = tokens, hashes, top
+        self.tokens, self.top_blocks = tokens, top
+        for a, arr in per_block.items():
+            setattr(self, a, arr)
 
 
 class TokenSequence:

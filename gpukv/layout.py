@@ -116,6 +116,7 @@ COUNTERS = Layout(
         ("error", 1),  # ERR_* set by a kernel that had to stop
         ("live_blocks", 1),
         ("serial", 1),  # the next block serial
+        ("detaches", 1),  # blocks detached so far: memoized matches older than this re-check
     ],
 )
 ERR_NONE = 0

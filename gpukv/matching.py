@@ -21,8 +21,10 @@ from .kernels.match import (
     RES_NUM_LOOKUP_TOKENS,
     RES_NUM_TOKENS,
     RES_WIDTH,
+    MatchBatch,
     build_match_kernels,
 )
+from .layout import CNT_DETACHES
 from .scope import ReuseScope, as_scope
 from .tables import Tables
 from .tokens import check_flat, flatten
@@ -73,10 +75,12 @@ class Matcher:
         # block first, one thread per block, so the walk threads only look up.
         self.prehash = self.backend.target == "cuda"
         self._empty = self.backend.to_device(np.zeros(0, dtype=np.int64))
+        self._empty_bool = self.backend.to_device(np.zeros(0, dtype=bool))
 
     # -- packing --------------------------------------------------------------------
     def _pack(self, requests):
-        """``(tokens, starts, lengths, hashes, hash_off)`` on the device."""
+        """``(tokens, starts, lengths, hashes, hash_off, slots)`` on the device;
+        ``slots`` are the arena slots of registered sequences, else None."""
         b = self.backend
         if isinstance(requests, tuple) and len(requests) == 2 and hasattr(requests[0], "dtype"):
             flat, offsets = check_flat(requests[0], requests[1], b.xp)
@@ -86,15 +90,26 @@ class Matcher:
             raise TypeError("requests must be a list of token sequences or a (flat_tokens, offsets) pair")
         if len(requests) and all(type(r) is TokenSequence for r in requests):
             return self._registered(requests)
-        requests = [r.tokens if type(r) is TokenSequence else r for r in requests]
-        requests = [b.to_host(r) if hasattr(r, "__cuda_array_interface__") else r for r in requests]
+        requests = [self._tokens_of(i, r) for i, r in enumerate(requests)]
         flat, offsets = flatten(requests, self.tables.intern_digest)
         flat, offsets = b.to_device(flat), b.to_device(offsets)
         return self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1])
 
+    def _tokens_of(self, i, r):
+        if type(r) is TokenSequence:
+            self._check_sequence(i, r)
+            r = r.tokens
+        return self.backend.to_host(r) if hasattr(r, "__cuda_array_interface__") else r
+
+    def _check_sequence(self, i, s):
+        if s._arena is not self.arena:
+            raise ValueError(f"request {i}: TokenSequence belongs to another manager")
+        if s.released:
+            raise ValueError(f"request {i}: TokenSequence was released")
+
     def _flat(self, flat, starts, lengths):
         if not self.prehash:
-            return flat, starts, lengths, self._empty, self._empty
+            return flat, starts, lengths, self._empty, self._empty, None
         xp = self.backend.xp
         full = lengths // self.T
         hash_off = xp.zeros(full.shape[0], dtype=np.int64)
@@ -103,29 +118,25 @@ class Matcher:
         total = int(full.sum()) if full.shape[0] else 0
         hashes = xp.empty(max(total, 1), dtype=np.int64)
         self.kernels.hash_blocks(flat, starts, hash_off, hash_off, hashes, self.T, total)
-        return flat, starts, lengths, hashes, hash_off
+        return flat, starts, lengths, hashes, hash_off, None
 
     def _registered(self, seqs):
         for i, s in enumerate(seqs):
-            if s._arena is not self.arena:
-                raise ValueError(f"request {i}: TokenSequence belongs to another manager")
-            if s.released:
-                raise ValueError(f"request {i}: TokenSequence was released")
+            self._check_sequence(i, s)
         slots = np.fromiter((s._slot for s in seqs), dtype=np.int64, count=len(seqs))
         starts, lengths, hash_off, (src, dst, first, total) = self.arena.prepare(slots)
         b = self.backend
         a = self.arena
         if total:
             self.kernels.hash_blocks(a.tokens, b.to_device(src), b.to_device(dst), b.to_device(first), a.hashes, self.T, total)
-        return a.tokens, b.to_device(starts), b.to_device(lengths), a.hashes, b.to_device(hash_off)
+        return a.tokens, b.to_device(starts), b.to_device(lengths), a.hashes, b.to_device(hash_off), slots
 
     def _scopes(self, scopes, B):
-        """Per-request ``(scope ids, root keys)``; -1 for a scope never used."""
-        xp = self.backend.xp
+        """Per-request ``(scope ids, root keys)`` as host arrays; -1 for a scope never used."""
         if scopes is None or isinstance(scopes, ReuseScope):
             sid = self.tree.scope_id(scopes)
             key = self.tree.scope_key(sid) if sid >= 0 else 0
-            return xp.full(B, sid, dtype=np.int64), xp.full(B, key, dtype=np.int64)
+            return np.full(B, sid, dtype=np.int64), np.full(B, key, dtype=np.int64)
         if isinstance(scopes, (str, bytes)) or not hasattr(scopes, "__len__"):
             raise TypeError("scopes must be None, one gpukv.ReuseScope, or one per request")
         if len(scopes) != B:
@@ -140,32 +151,54 @@ class Matcher:
             ids[i] = self.tree.scope_id(s)
             if ids[i] >= 0:
                 keys[i] = self.tree.scope_key(ids[i])
-        return self.backend.to_device(ids), self.backend.to_device(keys)
+        return ids, keys
+
+    def _memo(self, slots, scope_ids):
+        """The memo arrays for registered sequences: forgotten where the scope
+        changed, trusted without re-checking where nothing was detached since."""
+        a, b = self.arena, self.backend
+        epoch = int(self.tables.counters_host()[CNT_DETACHES])
+        verified = np.where(a.memo_scope[slots] == scope_ids, a.verified[slots], 0)
+        trusted = a.memo_epoch[slots] == epoch
+        return b.to_device(verified), b.to_device(trusted), epoch
 
     # -- matching ---------------------------------------------------------------------
     def match(self, requests, scopes=None, partial=None, backoff=None) -> BatchMatch:
-        xp = self.backend.xp
+        b = self.backend
+        xp = b.xp
         partial = self.default_partial if partial is None else partial
         backoff = self.default_backoff if backoff is None else backoff
-        toks, starts, lengths, hashes, hash_off = self._pack(requests)
+        toks, starts, lengths, hashes, hash_off, slots = self._pack(requests)
         B = int(starts.shape[0])
         scope_ids, scope_keys = self._scopes(scopes, B)
+        if slots is not None:
+            verified, trusted, epoch = self._memo(slots, scope_ids)
+            memo_rows, memo_serials = self.arena.memo_rows, self.arena.memo_serials
+        else:
+            verified, trusted, memo_rows, memo_serials = self._empty, self._empty_bool, self._empty, self._empty
         path_off = xp.zeros(B + 1, dtype=np.int64)
         if B:
             xp.cumsum((lengths + self.T - 1) // self.T, out=path_off[1:])
-        path = xp.empty(max(int(path_off[-1]), 1), dtype=np.int64)
-        res = xp.zeros((B, RES_WIDTH), dtype=np.int64)
+        batch = MatchBatch(
+            toks=toks, starts=starts, lengths=lengths, hashes=hashes, hash_off=hash_off,
+            scope_ids=b.to_device(scope_ids), scope_keys=b.to_device(scope_keys),
+            memo_rows=memo_rows, memo_serials=memo_serials, verified=verified, trusted=trusted,
+            path=xp.empty(max(int(path_off[-1]), 1), dtype=np.int64), path_off=path_off,
+            res=xp.zeros((B, RES_WIDTH), dtype=np.int64),
+        )
         if B:
-            self.kernels.match(
-                self.tables.device, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys,
-                bool(partial), int(backoff), self.ssm_lc, path, path_off, res,
-            )
+            self.kernels.match(self.tables.device, batch, bool(partial), int(backoff), self.ssm_lc)
+        if slots is not None:
+            self.arena.verified[slots] = b.to_host(verified)
+            self.arena.memo_scope[slots] = scope_ids
+            self.arena.memo_epoch[slots] = epoch
+        res = batch.res
         block_offsets = xp.zeros(B + 1, dtype=np.int64)
         if B:
             xp.cumsum(res[:, RES_NUM_BLOCKS], out=block_offsets[1:])
         block_ids = xp.empty(int(block_offsets[-1]), dtype=np.int64)
         if B and block_ids.shape[0]:
-            self.kernels.compact(path, path_off, res, block_offsets, block_ids)
+            self.kernels.compact(batch, block_offsets, block_ids)
         return BatchMatch(
             num_tokens=res[:, RES_NUM_TOKENS],
             num_lookup_tokens=res[:, RES_NUM_LOOKUP_TOKENS],

@@ -84,6 +84,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import Counter
+from contextlib import contextmanager
 from itertools import chain
 from typing import Optional
 
@@ -220,6 +221,7 @@ class PlannedDrop:
             # Only a page that is droppable and scheduled right now dies (§2.9: the
             # C++ mirror does not drop a page that is still held when the count hits 0).
             if page.planned_drop_count == 0 and page.holders == 0 and page.id in mgr._lru[page.lc]:
+                mgr.counters["planned_drop_killed"] += 1
                 mgr.tree.page_death(page)
                 mgr._gc()
 
@@ -271,6 +273,11 @@ class KVOracle:
         self._upages: dict[int, UncommittedPage] = {}
         self._next_upage_id = 0
         self._caches: list[KVSeq] = []  # open (not CLOSED) caches, in creation order
+        # Blocks an operation in progress refers to (the reference's local variables:
+        # an orphan is not destroyed before the operation returns).
+        self._pinned: list = []
+        # How often each notable path ran (for coverage checks of random workloads).
+        self.counters: Counter = Counter()
 
     # -- public API -----------------------------------------------------------------
 
@@ -352,6 +359,7 @@ class KVOracle:
         for lc, n in enumerate(counts):
             while len(self._free[lc]) < n:
                 victim = next(iter(self._lru[lc].values()))
+                self.counters["evicted"] += 1
                 self.tree.page_death(victim)  # dropped from the last level: dies, tree cleanup runs
                 self._gc()
             out.append([heapq.heappop(self._free[lc]) for _ in range(n)])
@@ -411,7 +419,9 @@ class KVOracle:
         one[lc] = 1
         slots = self._alloc(one)
         if slots is None:
+            self.counters["copy_skipped_oom"] += 1
             return None
+        self.counters["copied_to_tree"] += 1
         page = self._new_committed(lc, coverage, slots[lc][0], dict(src.data))
         if self.tree.can_replace_page(tb, lc, coverage):
             self.tree.replace_page(tb, lc, page)
@@ -423,7 +433,18 @@ class KVOracle:
     # -- block lifetime (orphans) ------------------------------------------------
 
     def _kept_blocks(self) -> list:
-        return [sb.tree_block for seq in self._caches for sb in seq._blocks if sb.tree_block is not None]
+        kept = [sb.tree_block for seq in self._caches for sb in seq._blocks if sb.tree_block is not None]
+        return kept + self._pinned
+
+    @contextmanager
+    def _pin(self, block):
+        """Keep ``block`` alive (not destroyed if it becomes an orphan) for the
+        duration of an operation, like the reference's local variable does."""
+        self._pinned.append(block)
+        try:
+            yield block
+        finally:
+            self._pinned.pop()
 
     def _gc(self) -> None:
         """Destroy every orphan no open sequence references (CPython frees it at
@@ -665,6 +686,7 @@ class KVSeq:
                     self._blocks[last].pages[lc] = Entry(page, LOCK)
             if has_partial:
                 self._blocks[last].tree_block = None  # the block becomes uncommitted
+                mgr.counters["private_tail_copy"] += 1
         self._never_resumed = False
         self._status = Status.ACTIVE
         mgr._gc()
@@ -778,7 +800,7 @@ class KVSeq:
         N0 = self.num_committed_tokens
         N1 = N0 + len(tokens)
         if N1 > self._capacity:
-            raise ValueError(f"committing {len(tokens)} tokens would make the history ({N1}) exceed the capacity ({self._capacity})")
+            raise ValueError(f"committing {len(tokens)} tokens: history {N1} would exceed the capacity ({self._capacity})")
         if mgr.commit_min_snapshot and self._history not in (N0, N1):
             raise AssertionError(
                 f"commit_min_snapshot: history_length ({self._history}) must equal the committed length before ({N0}) "
@@ -836,6 +858,7 @@ class KVSeq:
             tb = sb.tree_block
             assert tb is not None and tb.is_full, "a committed parent is a full block"
             if not tree._is_attached(tb):
+                self.mgr.counters["reattached"] += 1
                 nb, _ = tree.add_or_get(parent, tb.tokens)
                 if nb is not tb:
                     tree._adopt_pages_from(nb, tb)
@@ -857,6 +880,11 @@ class KVSeq:
             raise LogicError("Cannot commit block that is not full except last block")
         parent = self._tree_parent(o)
         tb, is_new = tree.add_or_get(parent, tok)
+        with mgr._pin(tb):
+            self._commit_block_into(o, tb, is_new, n, full, last, ssm, move_ssm)
+
+    def _commit_block_into(self, o: int, tb, is_new: bool, n: int, full: bool, last: bool, ssm: bool, move_ssm: bool) -> None:
+        mgr, tree, T = self.mgr, self.mgr.tree, self.T
         sb = self._blocks[o]
         did = False
         if is_new:
@@ -872,6 +900,7 @@ class KVSeq:
             self._ncb += 1
             did = True
         elif tb.is_full and full:  # rebase (allow_seq_rebasing is always True)
+            mgr.counters["rebased"] += 1
             for lc, _ in self._non_ssm():
                 entry = sb.pages[lc]
                 if entry is None:
@@ -896,6 +925,7 @@ class KVSeq:
         else:
             self._commit_state = CommitState.VIRTUAL_STOP  # e.g. our partial tail is covered by an existing block
             self.virtual_stopped = True
+            mgr.counters["virtual_stop"] += 1
         if did and ssm:
             self._snapshot_ssm(tb, o * T + n, move_ssm)
         if sb.tree_block is not None:
@@ -918,12 +948,13 @@ class KVSeq:
         parent = self._tree_parent(o)
         tb, _ = tree.add_or_get(parent, tok)  # exact partial, a longer covering sibling, or new
         sb = self._blocks[o]
-        for lc, _ in tree.attention_life_cycles():
-            entry = sb.pages[lc]
-            if entry is not None and tb.cov(lc) < n:
-                mgr._copy_page_to_tree(tb, lc, entry.page, n)
-        if ssm:
-            self._snapshot_ssm(tb, o * T + n, move=False)
+        with mgr._pin(tb):
+            for lc, _ in tree.attention_life_cycles():
+                entry = sb.pages[lc]
+                if entry is not None and tb.cov(lc) < n:
+                    mgr._copy_page_to_tree(tb, lc, entry.page, n)
+            if ssm:
+                self._snapshot_ssm(tb, o * T + n, move=False)
 
     def _snapshot_ssm(self, tb: O.Block, n_total: int, move: bool) -> None:
         """§2.5.3: checkpoint the live SSM state at ``n_total`` tokens on ``tb``."""
@@ -935,6 +966,7 @@ class KVSeq:
             return  # already an equal or later checkpoint
         live = self._ssm
         assert live is not None and isinstance(live.page, UncommittedPage), "a committing sequence has its live SSM state"
+        mgr.counters["ssm_snapshot_moved" if move else "ssm_snapshot_copied"] += 1
         if move:  # is_end: hand over the live state itself
             self._ssm = None
             page = mgr._commit_upage(live.page, c)

@@ -397,6 +397,19 @@ def test_backoff_p5_rechecks_swa_at_the_final_endpoint(backend):
         assert n == T + h and [c for _, c in pages] == [T, h]
 
 
+def test_backoff_before_the_ssm_checkpoint_search(backend):
+    # raw 8 -> 7; B1's checkpoint at 4 is past 3 matched tokens: back to B0's.
+    # Attention alone (before hybrid pruning) keeps the backed-off 7.
+    mgr = make_manager(backend, tokens_per_block=4, layers=SSM_LAYERS, commit_min_snapshot=True, reuse_match_backoff=1)
+    a, b = chain(mgr, B0 + B1, [[4, 4], [4, 4]])
+    m = check_batch(mgr, [B0 + B1, B0 + B1 + [9], B0 + B1[:1]], expected=[4, 4, 4], expected_rows=[rows(a)] * 3)
+    assert diag(m, 0) == (4, 7, 8, 8)
+    # the backoff trims the raw path (8), not the lookup (9)
+    assert diag(m, 1) == (4, 7, 8, 9)
+    # raw 5 -> 4: exactly B0's checkpoint
+    assert diag(m, 2) == (4, 4, 5, 5)
+
+
 def test_backoff_trims_whole_blocks_then_the_last(backend):
     mgr = make_manager(backend, tokens_per_block=4, layers=F_ONLY, reuse_match_backoff=5)
     chain(mgr, B0 + B1 + B2, [[4], [4], [4]])

@@ -17,13 +17,14 @@ scratch ``path[path_off[i]:...]`` and are compacted into the ragged output by
 from __future__ import annotations
 
 import functools
+from collections import namedtuple
 from types import SimpleNamespace
 
 import numpy as np
 
 from ..backend import bind_globals, device_jit
 from ..config import KIND_SSM, KIND_SWA
-from ..layout import BLK_FIRST_NEXT, BLK_KEY, BLK_NUM_TOKENS, BLK_PARENT, BLK_SERIAL, NULL
+from ..layout import BLK_FIRST_NEXT, BLK_FLAGS, BLK_KEY, BLK_NUM_TOKENS, BLK_PARENT, BLK_SERIAL, FLAG_ATTACHED, NULL
 from .tree import build_tree
 
 RES_NUM_TOKENS = 0
@@ -32,6 +33,20 @@ RES_BEFORE_PRUNING = 2
 RES_BEFORE_HYBRID_PRUNING = 3
 RES_NUM_BLOCKS = 4
 RES_WIDTH = 5
+
+PARALLEL_MIN_REQUESTS = 32  # smaller cpu batches run on one thread
+
+# One batch of requests as the match kernel reads it. Request i is
+# toks[starts[i]:starts[i] + lengths[i]]; its full-block content hashes are
+# hashes[hash_off[i]:] when hash_off is not empty (else the walk hashes).
+# Registered sequences also bring their memo: memo_rows/memo_serials (indexed
+# like hashes) hold the blocks matched last time, verified[i] how many (updated
+# in place) and trusted[i] whether nothing was detached since; all three are
+# empty for other input.
+MatchBatch = namedtuple(
+    "MatchBatch",
+    "toks starts lengths hashes hash_off scope_ids scope_keys memo_rows memo_serials verified trusted path path_off res",
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,16 +91,16 @@ def build_match(target: str) -> SimpleNamespace:
         out[1] = best_n
 
     @jit
-    def walk(S, root, toks, start, n_tok, hashes, hash_base, partial, path, base, tmp):
-        """§2.3: the raw path into ``path[base:]``; returns (blocks, last n)."""
+    def walk(S, node, count, toks, start, n_tok, hashes, hash_base, partial, path, base, tmp):
+        """§2.3: extend the raw path in ``path[base:]``, whose first ``count``
+        entries are already matched full blocks ending at ``node`` (the root
+        when ``count`` is 0); returns (blocks, last n)."""
         T = S.tokens.shape[1]
-        count = 0
-        last_n = 0
-        node = root
+        last_n = T if count > 0 else 0
         # The next key comes from this one, not from the matched row: the CPU
         # can start the next lookup while this hit's tokens are still compared.
-        key = S.blocks[root, BLK_KEY] if root != NULL else 0
-        j = 0
+        key = S.blocks[node, BLK_KEY] if node != NULL else 0
+        j = count
         while node != NULL and j * T < n_tok:
             n = min(T, n_tok - j * T)
             if n == T and hash_base >= 0:
@@ -109,6 +124,37 @@ def build_match(target: str) -> SimpleNamespace:
                     last_n = tmp[1]
             break
         return count, last_n
+
+    @jit
+    def recall(S, B, i, hash_base, base):
+        """Reuse the blocks a registered sequence matched before (the memo):
+        copy them into the path and return how many still hold. They were
+        verified token by token then; a row still holds the same block iff it
+        is attached with the same serial. When nothing was detached since
+        (``trusted``), that check is skipped too."""
+        v = B.verified[i]
+        k = 0
+        while k < v:
+            r = B.memo_rows[hash_base + k]
+            if not B.trusted[i] and (
+                S.blocks[r, BLK_SERIAL] != B.memo_serials[hash_base + k]
+                or (S.blocks[r, BLK_FLAGS] & FLAG_ATTACHED) == 0
+            ):
+                break
+            B.path[base + k] = r
+            k += 1
+        return k
+
+    @jit
+    def remember(S, B, i, hash_base, base, count, last_n):
+        """Memoize the leading full blocks matched by key for the next call."""
+        T = S.tokens.shape[1]
+        full = count if last_n == T else count - 1
+        for k in range(B.verified[i], full):
+            r = B.path[base + k]
+            B.memo_rows[hash_base + k] = r
+            B.memo_serials[hash_base + k] = S.blocks[r, BLK_SERIAL]
+        B.verified[i] = max(full, 0)
 
     @jit
     def prune(S, path, base, count, last_n, ssm_lc):
@@ -172,14 +218,24 @@ def build_match(target: str) -> SimpleNamespace:
         return 0, 0
 
     @jit
-    def match_one(S, i, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res, tmp):
-        start = starts[i]
-        n_tok = lengths[i]
+    def match_one(S, B, i, partial, backoff, ssm_lc, tmp):
+        """The whole match of request ``i`` of batch ``B`` (a ``MatchBatch``)."""
+        start = B.starts[i]
+        n_tok = B.lengths[i]
         T = S.tokens.shape[1]
-        base = path_off[i]
-        hash_base = hash_off[i] if hash_off.shape[0] > 0 else -1
-        root = find_root(S, scope_ids[i], scope_keys[i]) if scope_ids[i] >= 0 else NULL
-        count, last_n = walk(S, root, toks, start, n_tok, hashes, hash_base, partial, path, base, tmp)
+        base = B.path_off[i]
+        path = B.path
+        res = B.res
+        hash_base = B.hash_off[i] if B.hash_off.shape[0] > 0 else -1
+        node = find_root(S, B.scope_ids[i], B.scope_keys[i]) if B.scope_ids[i] >= 0 else NULL
+        count = 0
+        if B.verified.shape[0] > 0 and node != NULL:
+            count = recall(S, B, i, hash_base, base)
+            if count > 0:
+                node = path[base + count - 1]
+        count, last_n = walk(S, node, count, B.toks, start, n_tok, B.hashes, hash_base, partial, path, base, tmp)
+        if B.verified.shape[0] > 0:
+            remember(S, B, i, hash_base, base, count, last_n)
         raw = T * (count - 1) + last_n if count > 0 else 0
         res[i, RES_NUM_LOOKUP_TOKENS] = n_tok
         res[i, RES_BEFORE_PRUNING] = raw
@@ -219,14 +275,14 @@ def build_match(target: str) -> SimpleNamespace:
         hashes[dst[lo] + j] = np.int64(content_hash(toks, src[lo] + j * T, T))
 
     @jit
-    def compact_one(i, path, path_off, res, block_offsets, block_ids):
+    def compact_one(i, B, block_offsets, block_ids):
         dst = block_offsets[i]
-        src = path_off[i]
-        for k in range(res[i, RES_NUM_BLOCKS]):
-            block_ids[dst + k] = path[src + k]
+        src = B.path_off[i]
+        for k in range(B.res[i, RES_NUM_BLOCKS]):
+            block_ids[dst + k] = B.path[src + k]
 
     return SimpleNamespace(
-        walk=walk, prune=prune, match_one=match_one, hash_one=hash_one, compact_one=compact_one
+        walk=walk, prune=prune, recall=recall, remember=remember, match_one=match_one, hash_one=hash_one, compact_one=compact_one
     )
 
 
@@ -243,12 +299,18 @@ def build_match_kernels(target: str) -> SimpleNamespace:
     if target == "cpu":
         from numba import njit, prange
 
-        def kernel(f):
-            return njit(parallel=True, cache=True, nogil=True)(bind_globals(f, prange=prange, **helpers))
+        def kernel(f, parallel=True):
+            return njit(parallel=parallel, cache=True, nogil=True)(bind_globals(f, prange=prange, **helpers))
 
-        return SimpleNamespace(
-            match=kernel(_match_cpu), hash_blocks=kernel(_hash_cpu), compact=kernel(_compact_cpu)
-        )
+        # A parallel region costs a thread wake-up (milliseconds on a loaded
+        # machine): small batches and the copy-only compaction run serially.
+        match_parallel, match_serial = kernel(_match_cpu), kernel(_match_cpu, parallel=False)
+
+        def match(S, B, partial, backoff, ssm_lc):
+            run = match_parallel if B.starts.shape[0] >= PARALLEL_MIN_REQUESTS else match_serial
+            run(S, B, partial, backoff, ssm_lc)
+
+        return SimpleNamespace(match=match, hash_blocks=kernel(_hash_cpu), compact=kernel(_compact_cpu, parallel=False))
 
     from numba import cuda
 
@@ -261,29 +323,27 @@ def build_match_kernels(target: str) -> SimpleNamespace:
     def grid(n):
         return max(1, (n + threads - 1) // threads), threads
 
-    def match(S, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res):
-        B = starts.shape[0]
-        tmp = _like(res, (max(B, 1), 2))
-        match_k[grid(B)](
-            S, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res, tmp
-        )
+    def match(S, B, partial, backoff, ssm_lc):
+        n = B.starts.shape[0]
+        tmp = _like(B.res, (max(n, 1), 2))
+        match_k[grid(n)](S, B, partial, backoff, ssm_lc, tmp)
 
     def hash_blocks(toks, src, dst, first_block, hashes, T, total):
         if total:
             hash_k[grid(total)](toks, src, dst, first_block, hashes, T, total)
 
-    def compact(path, path_off, res, block_offsets, block_ids):
-        compact_k[grid(res.shape[0])](path, path_off, res, block_offsets, block_ids)
+    def compact(B, block_offsets, block_ids):
+        compact_k[grid(B.res.shape[0])](B, block_offsets, block_ids)
 
     return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact)
 
 
 # -- kernels: module level so Numba's disk cache hits (see backend.bind_globals) --------
 # noqa: F821 throughout: helpers, prange and cuda are bound by bind_globals.
-def _match_cpu(S, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res):
-    for i in prange(starts.shape[0]):  # noqa: F821
+def _match_cpu(S, B, partial, backoff, ssm_lc):
+    for i in prange(B.starts.shape[0]):  # noqa: F821
         tmp = np.empty(2, dtype=np.int64)
-        match_one(S, i, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res, tmp)  # noqa: F821
+        match_one(S, B, i, partial, backoff, ssm_lc, tmp)  # noqa: F821
 
 
 def _hash_cpu(toks, src, dst, first_block, hashes, T, total):
@@ -291,15 +351,15 @@ def _hash_cpu(toks, src, dst, first_block, hashes, T, total):
         hash_one(g, toks, src, dst, first_block, hashes, T)  # noqa: F821
 
 
-def _compact_cpu(path, path_off, res, block_offsets, block_ids):
-    for i in prange(res.shape[0]):  # noqa: F821
-        compact_one(i, path, path_off, res, block_offsets, block_ids)  # noqa: F821
+def _compact_cpu(B, block_offsets, block_ids):
+    for i in range(B.res.shape[0]):
+        compact_one(i, B, block_offsets, block_ids)  # noqa: F821
 
 
-def _match_cuda(S, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res, tmp):
+def _match_cuda(S, B, partial, backoff, ssm_lc, tmp):
     i = cuda.grid(1)  # noqa: F821
-    if i < starts.shape[0]:
-        match_one(S, i, toks, starts, lengths, hashes, hash_off, scope_ids, scope_keys, partial, backoff, ssm_lc, path, path_off, res, tmp[i])  # noqa: F821
+    if i < B.starts.shape[0]:
+        match_one(S, B, i, partial, backoff, ssm_lc, tmp[i])  # noqa: F821
 
 
 def _hash_cuda(toks, src, dst, first_block, hashes, T, total):
@@ -308,10 +368,10 @@ def _hash_cuda(toks, src, dst, first_block, hashes, T, total):
         hash_one(g, toks, src, dst, first_block, hashes, T)  # noqa: F821
 
 
-def _compact_cuda(path, path_off, res, block_offsets, block_ids):
+def _compact_cuda(B, block_offsets, block_ids):
     i = cuda.grid(1)  # noqa: F821
-    if i < res.shape[0]:
-        compact_one(i, path, path_off, res, block_offsets, block_ids)  # noqa: F821
+    if i < B.res.shape[0]:
+        compact_one(i, B, block_offsets, block_ids)  # noqa: F821
 
 
 def _like(a, shape):

@@ -40,6 +40,7 @@ from ..layout import (
     BLK_FIRST_NEXT,
     BLK_WIDTH,
     CNT_BLOCK_FREE_TOP,
+    CNT_DETACHES,
     CNT_ERROR,
     CNT_LIVE_BLOCKS,
     CNT_LOG_LEN,
@@ -373,6 +374,7 @@ def _build_tree(target: str) -> SimpleNamespace:
         index_remove(S, r)
         S.blocks[r, BLK_PARENT] = NULL
         S.blocks[r, BLK_FLAGS] &= ~FLAG_ATTACHED
+        S.counters[CNT_DETACHES] += 1
         log(S, EV_REMOVED, r, NULL)
         if is_root(S, parent) and S.blocks[parent, BLK_NUM_CHILDREN] == 0:
             index_remove(S, parent)
