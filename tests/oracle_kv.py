@@ -32,7 +32,7 @@ What is modelled
   into the pages a sequence owns; every copy copies the dict; ``verify_reuse``
   checks that a reused sequence sees the right values (invariant 15, scenario P3).
 
-Not modelled (see the report at the bottom of this docstring): SWA scratch reuse
+Not modelled: SWA scratch reuse
 (``swa_scratch_reuse``, §1.5/§2.10, scenarios D6/D7), beams (width 1 only),
 colder cache levels (host/disk) and migration, priorities (all pages have the
 default priority, so eviction is plain LRU), KV cache events (§4) and statistics
@@ -1006,6 +1006,9 @@ class KVSeq:
     # -- planned drops (§2.9) ---------------------------------------------------------------
 
     def plan_committed_block_drop(self) -> Optional[PlannedDrop]:
+        """§2.9: plan dropping this turn's SWA window pages and last SSM checkpoint
+        (never full attention); None when the committed tokens do not match back to
+        their full length (e.g. an endpoint page covers too little). Needs USER_STOP."""
         if self._commit_state is not CommitState.USER_STOP:
             raise LogicError("plan_committed_block_drop() needs stop_committing() first")
         mgr, T = self.mgr, self.T

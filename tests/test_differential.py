@@ -62,6 +62,9 @@ class Pair:
         self.log = []
         self.mgr._tree.log_sink = self.log
         self.oracle = O.Oracle(T, lcs)
+        # Registered sequences kept across operations, so their memoized
+        # matches must notice every change of the tree in between.
+        self.sequences = {}
 
     # -- the two states, in one comparable shape ---------------------------------
     def gpukv_blocks(self) -> dict:
@@ -104,7 +107,17 @@ class Pair:
                 theirs.append(("removed_lc", ev[1], ev[2]))
         assert mine == theirs, "removal records differ"
 
+    def compare_registered(self):
+        """Every registered sequence, re-matched now, agrees with the oracle."""
+        key_of_row = {v[0]: k for k, v in self.gpukv_blocks().items()}
+        for (query, pick, partial, backoff), seq in self.sequences.items():
+            want = self.oracle.match(ORACLE_SCOPES[pick], list(query), partial, backoff)
+            got = self.mgr._matcher.match([seq], SCOPES[pick], partial=partial, backoff=backoff).to_host()
+            assert int(got.num_tokens[0]) == want.num_tokens, f"registered sequence {query}"
+            assert [key_of_row[int(r)] for r in got.blocks(0)] == [b.key for b in want.blocks]
+
     def check(self):
+        self.compare_registered()
         self.compare_trees()
         self.compare_log()
         self.oracle.check_sanity()
@@ -174,6 +187,10 @@ class Pair:
         assert int(got.num_tokens_before_hybrid_pruning[0]) == want.num_tokens_before_hybrid_pruning
         key_of_row = {v[0]: k for k, v in self.gpukv_blocks().items()}
         assert [key_of_row[int(r)] for r in got.blocks(0)] == [b.key for b in want.blocks], "matched blocks differ"
+        key = (tuple(query), scope_pick % len(SCOPES), partial, backoff)
+        if key not in self.sequences:
+            self.sequences[key] = self.mgr.token_sequence(query)
+        self.compare_registered()
         assert self.mgr.probe_reuse(query, scope) == self.oracle.match(
             oscope, query, self.mgr.config.enable_partial_reuse, self.mgr.config.reuse_match_backoff
         ).num_tokens
