@@ -304,7 +304,8 @@ def build_match_kernels(target: str) -> SimpleNamespace:
 
         # A parallel region costs a thread wake-up (milliseconds on a loaded
         # machine): small batches and the copy-only compaction run serially.
-        match_parallel, match_serial = kernel(_match_cpu), kernel(_match_cpu, parallel=False)
+        # Two functions, not one compiled twice: each gets its own disk-cache entry.
+        match_parallel, match_serial = kernel(_match_cpu), kernel(_match_cpu_serial, parallel=False)
 
         def match(S, B, partial, backoff, ssm_lc):
             run = match_parallel if B.starts.shape[0] >= PARALLEL_MIN_REQUESTS else match_serial
@@ -343,6 +344,12 @@ def build_match_kernels(target: str) -> SimpleNamespace:
 def _match_cpu(S, B, partial, backoff, ssm_lc):
     for i in prange(B.starts.shape[0]):  # noqa: F821
         tmp = np.empty(2, dtype=np.int64)
+        match_one(S, B, i, partial, backoff, ssm_lc, tmp)  # noqa: F821
+
+
+def _match_cpu_serial(S, B, partial, backoff, ssm_lc):
+    tmp = np.empty(2, dtype=np.int64)
+    for i in range(B.starts.shape[0]):
         match_one(S, B, i, partial, backoff, ssm_lc, tmp)  # noqa: F821
 
 
