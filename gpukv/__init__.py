@@ -9,6 +9,7 @@ reusable (``KVCacheManager.match_batch``).
 
 from .arena import TokenSequence
 from .backend import BackendError
+from .cache import KVCache, KVCacheStatus, LogicError
 from .config import Attention, CacheConfig, ConfigError, Ssm
 from .hashing import gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
 from .manager import KVCacheManager
@@ -26,7 +27,10 @@ __all__ = [
     "BlockRef",
     "CacheConfig",
     "ConfigError",
+    "KVCache",
     "KVCacheManager",
+    "KVCacheStatus",
+    "LogicError",
     "ReuseScope",
     "Ssm",
     "TokenError",

@@ -140,3 +140,7 @@ _export(COUNTERS, "CNT")
 BLK_WIDTH = BLOCKS.width
 PAGE_WIDTH = PAGES.width
 LOG_WIDTH = LOG.width
+
+# Manager-wide switches the kernels read (DeviceTables.policy).
+POLICY_COMMIT_MIN_SNAPSHOT = 0
+POLICY_WIDTH = 1

@@ -6,7 +6,12 @@ answers reuse queries for whole batches with one kernel launch per stage.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .arena import TokenArena, TokenSequence
+from .cache import KVCache, LogicError
+from .layout import PAGE_POOL_INDEX
+from .tokens import token_array
 from .backend import get_backend, quiet_simulator
 from .config import CacheConfig
 from .matching import BatchMatch, Matcher
@@ -25,6 +30,12 @@ class KVCacheManager:
         self._tree = BlockTree(self._tables)
         self._arena = TokenArena(self._backend, config.tokens_per_block, self._tables.intern_digest)
         self._matcher = Matcher(self._tables, self._tree, self._arena, config)
+        self._open_caches: set[KVCache] = set()
+        # Real page memory: one [pages, page_bytes] byte array per life cycle's GPU pool.
+        self._page_memory = [
+            self._backend.xp.zeros((n, config.page_bytes), dtype=np.uint8) if config.page_bytes else None
+            for n in config.pages_per_life_cycle_list()
+        ]
 
     # -- facts ------------------------------------------------------------------------
     @property
@@ -67,10 +78,46 @@ class KVCacheManager:
             seq.extend(tokens)
         return seq
 
+    # -- sequences -------------------------------------------------------------------------
+    def create_kv_cache(self, input_tokens=None, scope=None) -> KVCache:
+        """A new, SUSPENDED cache. With ``input_tokens`` it runs the same match as
+        ``probe_reuse`` and holds the matched pages at once;
+        ``num_committed_tokens`` is the reused length."""
+        kv = KVCache(self, scope)
+        if input_tokens is not None:
+            tokens = token_array(input_tokens, self._tables.intern_digest)
+            m = self._matcher.match([tokens], scope).to_host()
+            n = int(m.num_tokens[0])
+            if n:
+                kv._setup_reuse(tokens, n, m.blocks(0))
+        self._open_caches.add(kv)
+        return kv
+
+    def page_memory(self, life_cycle_id: int):
+        """The life cycle's GPU page pool as a [pages, page_bytes] uint8 array
+        (None when ``page_bytes`` is 0); ``KVCache.page_indices`` index it."""
+        return self._page_memory[life_cycle_id]
+
+    def _copy_pages(self, copies):
+        """Carry out the page copies a kernel recorded, in order: (life cycle,
+        source page row, destination page row)."""
+        if not len(copies) or not self.config.page_bytes:
+            return
+        pool_index = self._backend.to_host(self._tables.pages[:, PAGE_POOL_INDEX])
+        for lc, src, dst in copies:  # at most a few per call, one device copy each
+            mem = self._page_memory[lc]
+            mem[pool_index[dst]] = mem[pool_index[src]]
+
     # -- maintenance -----------------------------------------------------------------------
+    def _refuse_while_open(self, what: str):
+        if self._open_caches:
+            raise LogicError(f"{what}: {len(self._open_caches)} KV cache(s) still open")
+
     def clear_reusable_blocks(self):
-        """Drop every block of the reuse tree."""
+        """Drop every block of the reuse tree; refused while caches are open."""
+        self._refuse_while_open("clear_reusable_blocks()")
         self._tree.clear()
 
     def shutdown(self):
-        self.clear_reusable_blocks()
+        self._refuse_while_open("shutdown()")
+        self._tree.clear()

@@ -44,6 +44,8 @@ from .layout import (
     PAGE_STATE,
     PAGE_FREE,
     PAGES,
+    POLICY_COMMIT_MIN_SNAPSHOT,
+    POLICY_WIDTH,
     SLOTS,
 )
 
@@ -67,6 +69,7 @@ DeviceTables = namedtuple(
         "lc_sinks",  # int64 [L]: sink blocks
         "mm_digests",  # uint8 [k, 32]: interned multimodal digests (token -1-i)
         "work",  # uint32 [SHA256_WORK_WORDS]: scratch of the serial tree kernel
+        "policy",  # int64 [POLICY_WIDTH]: config switches (commit_min_snapshot)
     ],
 )
 
@@ -130,6 +133,9 @@ class Tables:
         self.num_mm_digests = 0
         self._mm_index: dict[bytes, int] = {}
         self.work = xp.zeros(SHA256_WORK_WORDS, dtype=np.uint32)
+        policy = np.zeros(POLICY_WIDTH, dtype=np.int64)
+        policy[POLICY_COMMIT_MIN_SNAPSHOT] = int(config.commit_min_snapshot)
+        self.policy = backend.to_device(policy)
 
     # -- views ------------------------------------------------------------------
     @property

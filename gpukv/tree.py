@@ -87,6 +87,9 @@ class BlockTree:
     def scope_key(self, sid: int) -> int:
         return self._scope_keys[sid]
 
+    def scope_digest(self, sid: int) -> bytes:
+        return int64x4_to_digest(self._scope_digests[sid])
+
     # -- kernel launch --------------------------------------------------------------
     def _op(self, op: int, args=(), toks=None) -> np.ndarray:
         b = self.backend
@@ -96,14 +99,18 @@ class BlockTree:
         out = np.full(4, NULL, dtype=np.int64)
         d_a, d_t, d_out = b.to_device(a), b.to_device(t), b.to_device(out)
         self._run(self.tables.device, op, d_a, d_t, d_out)
-        out = b.to_host(d_out)
+        self.after_kernel()
+        return b.to_host(d_out)
+
+    def after_kernel(self):
+        """After any kernel that may change the tree: drain the change log and
+        surface an error the kernel had to stop on."""
         err = int(self.tables.counters_host()[CNT_ERROR])
         records = self.tables.drain_log()
         if self.log_sink is not None:
             self.log_sink.extend(records)
         if err != ERR_NONE:
             raise TreeError(f"tree kernel stopped with error code {err}")
-        return out
 
     # -- reading rows -------------------------------------------------------------
     def row(self, r: int) -> np.ndarray:

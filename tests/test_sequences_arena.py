@@ -17,7 +17,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import gpukv
 from gpukv import Attention, TokenSequence, introspect
+from gpukv.layout import CNT_DETACHES
 
 try:  # works whether or not tests/ is a package
     from tests.conftest import make_manager
@@ -243,3 +245,72 @@ def test_a_mixed_batch_of_lists_and_sequences(backend):
     seq = mgr.token_sequence(p2[:7])
     m = mgr.match_batch([p1, seq, p2]).to_host()
     assert m.num_tokens.tolist() == [12, mgr.probe_reuse(p2[:7]), 12]
+
+
+# ---------------------------------------------------------------------------
+# the memo: a registered sequence remembers the blocks it matched by key
+# ---------------------------------------------------------------------------
+
+
+def agree(mgr, seq, scope=None) -> int:
+    """The sequence matches exactly like its tokens as a list; returns num_tokens."""
+    got = mgr.match_batch([seq], scope).to_host()
+    want = mgr.match_batch([host(seq.tokens)], scope).to_host()
+    for f in ("num_tokens", "num_tokens_before_pruning", "num_tokens_before_hybrid_pruning", "block_ids"):
+        assert np.array_equal(getattr(got, f), getattr(want, f)), f
+    return int(got.num_tokens[0])
+
+
+def test_rematching_after_the_tree_changes(backend):
+    T = 4
+    mgr, p1, p2 = tree_manager(backend, T)
+    seq = mgr.token_sequence(p1)
+    assert agree(mgr, seq) == 12 and mgr._arena.verified[seq._slot] == 3
+
+    # a page dies but no block leaves the tree: the memo stays trusted
+    b0, b1, b2 = (mgr._tree.ref(int(r)) for r in mgr.match_batch([p1]).to_host().blocks(0))
+    detaches = int(mgr._tables.counters_host()[CNT_DETACHES])
+    mgr._tree.page_death(introspect.page_of(mgr, b2, 1)[0])  # b2's S page (W = 5 needs it)
+    assert int(mgr._tables.counters_host()[CNT_DETACHES]) == detaches
+    assert agree(mgr, seq) == 8
+
+    # b1 and b2 leave; their rows go to p3's new blocks: same rows, other blocks
+    mgr._tree.remove_subtree(b1)
+    p3 = p1[:T] + [50 + k for k in range(2 * T)]
+    assert introspect.insert_sequence(mgr, p3) == 3
+    rows3 = mgr.match_batch([p3]).to_host().blocks(0).tolist()
+    assert sorted(rows3[1:]) == sorted([b1.row, b2.row])  # recycled
+    assert agree(mgr, seq) == 4
+    assert agree(mgr, mgr.token_sequence(p3)) == 12
+
+    # p1 comes back in fresh rows; the sequence finds it again
+    assert introspect.insert_sequence(mgr, p1) == 3
+    assert agree(mgr, seq) == 12
+
+    # a cleared tree, then another scope: nothing, then everything again
+    mgr.clear_reusable_blocks()
+    assert agree(mgr, seq) == 0
+    s = gpukv.ReuseScope(salt=5)
+    introspect.insert_sequence(mgr, p1, s)
+    assert agree(mgr, seq) == 0
+    assert agree(mgr, seq, s) == 12
+    assert agree(mgr, seq) == 0
+    introspect.insert_sequence(mgr, p1)
+    assert agree(mgr, seq) == 12
+    assert agree(mgr, seq, s) == 12
+
+
+def test_a_memoized_sequence_keeps_growing(backend):
+    T = 4
+    mgr, p1, p2 = tree_manager(backend, T)
+    seq = mgr.token_sequence(p2[:6])
+    assert agree(mgr, seq) == 6 and mgr._arena.verified[seq._slot] == 1
+    seq.extend(p2[6:])
+    assert agree(mgr, seq) == 12 and mgr._arena.verified[seq._slot] == 3
+    seq.extend([0] * 9)  # two more full blocks, not in the tree
+    assert agree(mgr, seq) == 12 and mgr._arena.verified[seq._slot] == 3
+    introspect.insert_sequence(mgr, host(seq.tokens))  # now they are
+    assert agree(mgr, seq) == 21
+    # the same sequence twice in one batch, and beside other requests
+    m = mgr.match_batch([seq, p1, seq]).to_host()
+    assert m.num_tokens.tolist() == [21, 12, 21]

@@ -571,6 +571,7 @@ def _build_tree(target: str) -> SimpleNamespace:
         clear_tree=clear_tree,
         get_or_create_root=get_or_create_root,
         add_or_get=add_or_get,
+        adopt_pages_from=adopt_pages_from,
         maybe_free_orphan=maybe_free_orphan,
         is_attached=is_attached,
         is_root=is_root,

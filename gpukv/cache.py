@@ -1,0 +1,249 @@
+"""``KVCache``: one sequence's KV cache, as a serving engine drives it.
+
+The host side validates each call and launches the serial sequence kernel
+(``kernels/seq.py``) once; that kernel does the per-block work of semantics.md
+§2.5-§2.10 on the device tables. Afterwards the host carries out the page data
+copies the kernel recorded and drains the tree's change log.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from .kernels.sha256 import digest_to_int64x4
+from .kernels.seq import (
+    ACTIVE,
+    CLOSED,
+    Q_CAPACITY,
+    Q_COMMIT_STATE,
+    Q_COMMITTED,
+    Q_HISTORY,
+    Q_NEVER_RESUMED,
+    Q_NUM_BLOCKS,
+    Q_NUM_COPIES,
+    Q_RESULT,
+    Q_SCOPE_ID,
+    Q_SCOPE_KEY,
+    Q_SSM_PAGE,
+    Q_STATUS,
+    Q_WIDTH,
+    SEQ_CLOSE,
+    SEQ_COMMIT,
+    SEQ_RESIZE,
+    SEQ_RESUME,
+    SEQ_SETUP_REUSE,
+    SEQ_STOP,
+    SEQ_SUSPEND,
+    SUSPENDED,
+    USER_STOP,
+    SeqTables,
+    build_seq_kernel,
+)
+from .layout import NULL, PAGE_POOL_INDEX
+from .tokens import token_array
+
+
+class LogicError(RuntimeError):
+    """A call that is not allowed in the cache's current state."""
+
+
+class KVCacheStatus(enum.Enum):
+    SUSPENDED = SUSPENDED
+    ACTIVE = ACTIVE
+    CLOSED = CLOSED
+
+
+class KVCache:
+    """A sequence's pages and its commits into the reuse tree.
+
+    Created by ``KVCacheManager.create_kv_cache``; starts SUSPENDED holding the
+    reused pages. ``num_committed_tokens <= history_length <= capacity``."""
+
+    def __init__(self, mgr, scope):
+        self._mgr = mgr
+        self._backend = mgr._backend
+        tree = mgr._tree
+        sid = tree.scope_id(scope, create=True)
+        self._T = mgr.config.tokens_per_block
+        L = len(mgr.config.life_cycles)
+        xp = self._backend.xp
+        blocks = 4
+        scalars = np.zeros(Q_WIDTH, dtype=np.int64)
+        scalars[Q_SSM_PAGE] = NULL
+        scalars[Q_NEVER_RESUMED] = 1
+        scalars[Q_SCOPE_ID] = sid
+        scalars[Q_SCOPE_KEY] = tree.scope_key(sid)
+        self._q = SeqTables(
+            pages=xp.full((blocks, L), NULL, dtype=np.int64),
+            kinds=xp.zeros((blocks, L), dtype=np.int64),
+            tree=xp.full(blocks, NULL, dtype=np.int64),
+            tokens=xp.zeros(blocks * self._T, dtype=np.int32),
+            scalars=self._backend.to_device(scalars),
+            copies=xp.zeros((2 * L + 4, 3), dtype=np.int64),  # a launch copies at most a page per life cycle, twice
+            path=xp.zeros(blocks, dtype=np.int64),
+            args=xp.zeros(4, dtype=np.int64),
+            out=xp.zeros(4, dtype=np.int64),
+            counts=xp.zeros(max(L, 1), dtype=np.int64),
+            scope_digest=self._backend.to_device(digest_to_int64x4(tree.scope_digest(sid))),
+        )
+        self._run = build_seq_kernel(self._backend.target)
+        self._scalars = scalars  # host copy, refreshed after every launch
+
+    # -- state ------------------------------------------------------------------------
+    @property
+    def num_committed_tokens(self) -> int:
+        return int(self._scalars[Q_COMMITTED])
+
+    @property
+    def history_length(self) -> int:
+        return int(self._scalars[Q_HISTORY])
+
+    @property
+    def capacity(self) -> int:
+        return int(self._scalars[Q_CAPACITY])
+
+    @property
+    def status(self) -> KVCacheStatus:
+        return KVCacheStatus(int(self._scalars[Q_STATUS]))
+
+    @property
+    def committed_tokens(self) -> np.ndarray:
+        return self._backend.to_host(self._q.tokens[: self.num_committed_tokens]).copy()
+
+    def page_indices(self, life_cycle_id: int) -> np.ndarray:
+        """One page index (inside the life cycle's GPU pool) per block; -1 = none."""
+        self._check_lc(life_cycle_id)
+        rows = self._backend.to_host(self._q.pages[: int(self._scalars[Q_NUM_BLOCKS]), life_cycle_id])
+        return self._pool_index(rows)
+
+    def ssm_page_index(self) -> int:
+        """The live SSM page's pool index, -1 for none."""
+        return int(self._pool_index(np.array([self._scalars[Q_SSM_PAGE]]))[0])
+
+    def _pool_index(self, rows) -> np.ndarray:
+        pages = self._backend.to_host(self._mgr._tables.pages)
+        out = np.full(len(rows), -1, dtype=np.int32)
+        have = rows != NULL
+        out[have] = pages[rows[have], PAGE_POOL_INDEX]
+        return out
+
+    # -- calls --------------------------------------------------------------------------
+    def resume(self) -> bool:
+        """SUSPENDED -> ACTIVE (False, and no change, when pages run out)."""
+        self._require(KVCacheStatus.SUSPENDED, "resume()")
+        return self._launch(SEQ_RESUME)
+
+    def suspend(self):
+        self._require(KVCacheStatus.ACTIVE, "suspend()")
+        self._launch(SEQ_SUSPEND)
+
+    def resize(self, capacity: int | None = None, history_length: int | None = None) -> bool:
+        """Set capacity (blocks to hold) and history (tokens before the next
+        input). False, with nothing changed, when a page pool is short."""
+        self._require(KVCacheStatus.ACTIVE, "resize()")
+        cap = self.capacity if capacity is None else _int("capacity", capacity)
+        hist = self.history_length if history_length is None else _int("history_length", history_length)
+        if hist < self.history_length:
+            raise ValueError(f"history_length cannot decrease ({hist} < {self.history_length})")
+        if cap < hist:
+            raise ValueError(f"capacity {cap} is below history_length {hist}")
+        self._reserve(-(-cap // self._T))
+        return self._launch(SEQ_RESIZE, cap, hist)
+
+    def commit(self, tokens, is_end: bool = False):
+        """Commit the next tokens of the sequence into the reuse tree (§2.5)."""
+        self._require(KVCacheStatus.ACTIVE, "commit()")
+        arr = token_array(tokens, self._mgr._tables.intern_digest)
+        if arr.size == 0:
+            if is_end:
+                self.stop_committing()
+            return
+        if int(self._scalars[Q_COMMIT_STATE]) == USER_STOP:
+            raise LogicError("Cannot commit tokens after stop_committing()")
+        n0 = self.num_committed_tokens
+        n1 = n0 + arr.size
+        if n1 > self.capacity:
+            raise ValueError(f"committing {arr.size} tokens would pass the capacity ({n1} > {self.capacity})")
+        if self._mgr.config.commit_min_snapshot and self.history_length not in (n0, n1):
+            raise AssertionError(
+                f"commit_min_snapshot: history_length ({self.history_length}) must equal the committed length "
+                f"before ({n0}) or after ({n1}) the commit"
+            )
+        self._q.tokens[n0:n1] = self._backend.to_device(arr)
+        self._mgr._tables.ensure_free_blocks(-(-n1 // self._T) + 2)
+        self._launch(SEQ_COMMIT, n0, arr.size, int(bool(is_end)))
+
+    def stop_committing(self):
+        if self.status is KVCacheStatus.CLOSED:
+            raise LogicError("stop_committing() on a closed KV cache")
+        self._mgr._tables.ensure_free_blocks(2)
+        self._launch(SEQ_STOP)
+
+    def close(self):
+        """Stop committing (a pending partial tail is committed) and release
+        every page; closing twice is a no-op."""
+        if self.status is KVCacheStatus.CLOSED:
+            return
+        self._mgr._tables.ensure_free_blocks(2)
+        self._launch(SEQ_CLOSE)
+        self._mgr._open_caches.discard(self)
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _setup_reuse(self, tokens: np.ndarray, num_tokens: int, blocks: np.ndarray):
+        self._reserve(len(blocks))
+        self._q.path[: len(blocks)] = self._backend.to_device(blocks)
+        self._q.tokens[:num_tokens] = self._backend.to_device(tokens[:num_tokens])
+        self._launch(SEQ_SETUP_REUSE, num_tokens, len(blocks))
+
+    def _reserve(self, blocks: int):
+        """Grow the per-sequence arrays to hold ``blocks`` blocks."""
+        have = self._q.tree.shape[0]
+        if blocks <= have:
+            return
+        new = max(blocks, 2 * have)
+        xp = self._backend.xp
+        q = self._q
+
+        def grow(a, fill):
+            b = xp.full((new,) + a.shape[1:], fill, dtype=a.dtype)
+            b[:have] = a
+            return b
+
+        tokens = xp.zeros(new * self._T, dtype=np.int32)
+        tokens[: q.tokens.shape[0]] = q.tokens
+        self._q = q._replace(
+            pages=grow(q.pages, NULL), kinds=grow(q.kinds, 0), tree=grow(q.tree, NULL), tokens=tokens,
+            path=grow(q.path, 0),
+        )
+
+    def _launch(self, op, *args) -> bool:
+        b = self._backend
+        a = np.zeros(4, dtype=np.int64)
+        a[: len(args)] = args
+        self._q.args[:] = b.to_device(a)
+        self._run(self._mgr._tables.device, self._q, op)
+        self._scalars = b.to_host(self._q.scalars).copy()
+        self._mgr._copy_pages(b.to_host(self._q.copies[: int(self._scalars[Q_NUM_COPIES])]))
+        self._mgr._tree.after_kernel()
+        return bool(self._scalars[Q_RESULT])
+
+    def _require(self, status: KVCacheStatus, what: str):
+        if self.status is not status:
+            raise LogicError(f"{what} needs a {status.name} KV cache; this one is {self.status.name}")
+
+    def _check_lc(self, lc):
+        L = len(self._mgr.config.life_cycles)
+        if not isinstance(lc, (int, np.integer)) or isinstance(lc, bool) or not 0 <= lc < L:
+            raise ValueError(f"life_cycle_id must be in 0..{L - 1}, got {lc!r}")
+
+    def __repr__(self):
+        return (f"KVCache({self.status.name}, committed={self.num_committed_tokens}, "
+                f"history={self.history_length}, capacity={self.capacity})")
+
+
+def _int(name, v) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    return int(v)

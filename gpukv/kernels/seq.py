@@ -1,0 +1,662 @@
+"""One sequence's KV cache on the device tables (semantics.md §2.5, §2.6, §2.8-§2.10).
+
+A ``KVCache`` keeps its state in small device arrays (``SeqTables``): per
+ordinal and life cycle the page it refers to and how (held or locked), per
+ordinal the tree block it is committed as, its committed tokens, and a row of
+scalars. Each public call (create with reuse, resume, suspend, resize, commit,
+stop, close) is one launch of the serial kernel below, so no call loops over
+blocks in Python. Page data copies the kernel decides on (partial snapshots,
+private tail copies, SSM checkpoints) are recorded in ``copies`` and carried
+out by the host right after the launch, in order; every source is a page the
+sequence still holds, so it cannot be reused within the same launch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import namedtuple
+
+import numpy as np
+
+from ..backend import bind_globals, device_jit
+from ..config import KIND_FULL, KIND_SSM, KIND_SWA
+from ..layout import (
+    POLICY_COMMIT_MIN_SNAPSHOT,
+    BLK_FLAGS,
+    BLK_NUM_TOKENS,
+    BLK_ORDINAL,
+    BLK_REFS,
+    CNT_TICK,
+    FLAG_ATTACHED,
+    NULL,
+    PAGE_BLOCK,
+    PAGE_COVERAGE,
+    PAGE_HOLDERS,
+    PAGE_LOCKS,
+    PAGE_LRU_TICK,
+    PAGE_STATE,
+    PAGE_UNCOMMITTED,
+    PAGE_COMMITTED,
+)
+from .tree import NUM_LEVELS, build_tree
+
+# How a sequence refers to a page.
+HOLD = 1
+LOCK = 2
+
+# Statuses and commit states.
+SUSPENDED = 0
+ACTIVE = 1
+CLOSED = 2
+ALLOWED = 0
+VIRTUAL_STOP = 1
+USER_STOP = 2
+
+# Scalars of one sequence (SeqTables.scalars).
+Q_NUM_BLOCKS = 0  # len(_blocks) = ceil(capacity / T)
+Q_COMMITTED = 1  # num_committed_tokens
+Q_COMMITTED_BLOCKS = 2
+Q_HISTORY = 3
+Q_CAPACITY = 4
+Q_COMMIT_STATE = 5
+Q_STATUS = 6
+Q_NEVER_RESUMED = 7
+Q_SSM_PAGE = 8  # the live (or reused) SSM page; NULL for none
+Q_SSM_KIND = 9
+Q_SCOPE_ID = 10
+Q_SCOPE_KEY = 11
+Q_NUM_COPIES = 12
+Q_RESULT = 13  # 1 = done, 0 = refused (out of pages)
+Q_VIRTUAL_STOPPED = 14
+Q_WIDTH = 16
+
+# Operations.
+SEQ_SETUP_REUSE = 1  # args: matched tokens N, blocks in B.path[:count]
+SEQ_RESUME = 2
+SEQ_SUSPEND = 3
+SEQ_RESIZE = 4  # args: capacity, history
+SEQ_COMMIT = 5  # args: first new token index, count, is_end
+SEQ_STOP = 6
+SEQ_CLOSE = 7
+
+SeqTables = namedtuple(
+    "SeqTables",
+    [
+        "pages",  # int64 [max blocks, L]: page row per (ordinal, life cycle), NULL = none
+        "kinds",  # int64 [max blocks, L]: HOLD or LOCK (0 = none)
+        "tree",  # int64 [max blocks]: committed tree block row, NULL = uncommitted
+        "tokens",  # int32 [max tokens]: committed tokens
+        "scalars",  # int64 [Q_WIDTH]
+        "copies",  # int64 [k, 3]: (life cycle, source page, destination page)
+        "path",  # int64 [max blocks]: the matched blocks for SEQ_SETUP_REUSE
+        "args",  # int64 [4]
+        "out",  # int64 [4]: scratch for tree calls
+        "counts",  # int64 [L]: scratch for all-or-nothing allocation checks
+        "scope_digest",  # int64 [4]: the SHA-256 key of the sequence's root
+    ],
+)
+
+
+@functools.lru_cache(maxsize=None)
+def build_seq(target: str):
+    jit = device_jit(target)
+    call = device_jit(target, inline=False)
+    t = build_tree(target)
+    add_or_get = t.add_or_get
+    alloc_page = t.alloc_page
+    free_page = t.free_page
+    replace_page = t.replace_page
+    can_replace_page = t.can_replace_page
+    coverage = t.coverage
+    page_of = t.page_of
+    page_death = t.page_death
+    is_attached = t.is_attached
+    maybe_free_orphan = t.maybe_free_orphan
+    get_or_create_root = t.get_or_create_root
+    adopt_pages_from = t.adopt_pages_from
+
+    # -- stale ranges (§1.5) ----------------------------------------------------------
+    @jit
+    def stale_start(S, lc, h):
+        T = S.tokens.shape[1]
+        return min((h + T - 1) // T, S.lc_sinks[lc])
+
+    @jit
+    def stale_end(S, lc, h):
+        """End of the stale range; equal to ``stale_start`` when nothing is stale."""
+        T = S.tokens.shape[1]
+        s = stale_start(S, lc, h)
+        if S.lc_kind[lc] != KIND_SWA:
+            return s
+        first_live = h + 1 - S.lc_window[lc]
+        return max(s, first_live // T) if first_live > 0 else s
+
+    @jit
+    def is_stale(S, lc, h, o):
+        return stale_start(S, lc, h) <= o < stale_end(S, lc, h)
+
+    # -- holding pages (§2.8) -----------------------------------------------------------
+    @jit
+    def hold(S, p, kind):
+        S.pages[p, PAGE_HOLDERS] += 1
+        if kind == LOCK:
+            S.pages[p, PAGE_LOCKS] += 1
+
+    @call
+    def release(S, p, kind):
+        """A sequence drops its hold or lock on ``p``. An unowned uncommitted page
+        dies at once; an unowned committed page stays cached (evictable) unless
+        it was unlinked or its block is an orphan, in which case it dies."""
+        S.pages[p, PAGE_HOLDERS] -= 1
+        if kind == LOCK:
+            S.pages[p, PAGE_LOCKS] -= 1
+        if S.pages[p, PAGE_HOLDERS] > 0:
+            return
+        if S.pages[p, PAGE_STATE] == PAGE_UNCOMMITTED:
+            free_page(S, p)
+            return
+        S.pages[p, PAGE_LRU_TICK] = S.counters[CNT_TICK]
+        S.counters[CNT_TICK] += 1
+        b = S.pages[p, PAGE_BLOCK]
+        if b == NULL or not is_attached(S, b):
+            page_death(S, p)
+
+    @jit
+    def set_entry(Q, o, lc, p, kind):
+        Q.pages[o, lc] = p
+        Q.kinds[o, lc] = kind if p != NULL else 0
+
+    @jit
+    def drop_entry(S, Q, o, lc):
+        p = Q.pages[o, lc]
+        if p != NULL:
+            kind = Q.kinds[o, lc]
+            set_entry(Q, o, lc, NULL, 0)
+            release(S, p, kind)
+
+    @jit
+    def ref_block(S, r):
+        S.blocks[r, BLK_REFS] += 1
+
+    @jit
+    def unref_block(S, r):
+        S.blocks[r, BLK_REFS] -= 1
+        maybe_free_orphan(S, r)
+
+    @jit
+    def set_tree(S, Q, o, r):
+        old = Q.tree[o]
+        Q.tree[o] = r
+        if r != NULL:
+            ref_block(S, r)
+        if old != NULL:
+            unref_block(S, old)
+
+    @jit
+    def commit_page(S, p, cov):
+        """An uncommitted page becomes a committed page (same slot, same data)."""
+        S.pages[p, PAGE_STATE] = PAGE_COMMITTED
+        S.pages[p, PAGE_COVERAGE] = cov
+        S.pages[p, PAGE_BLOCK] = NULL
+
+    @jit
+    def new_page(S, lc, state):
+        p = alloc_page(S, lc, 0)
+        if p != NULL:
+            S.pages[p, PAGE_STATE] = state
+        return p
+
+    @jit
+    def record_copy(Q, lc, src, dst):
+        k = Q.scalars[Q_NUM_COPIES]
+        Q.copies[k, 0] = lc
+        Q.copies[k, 1] = src
+        Q.copies[k, 2] = dst
+        Q.scalars[Q_NUM_COPIES] = k + 1
+
+    @jit
+    def free_count(S, lc):
+        return S.pool_top[lc * NUM_LEVELS]  # level 0 of the life cycle's pools
+
+    @jit
+    def kind_now(Q):
+        return LOCK if Q.scalars[Q_STATUS] == ACTIVE else HOLD
+
+    # -- reuse setup (§2.6) -----------------------------------------------------------
+    @call
+    def setup_reuse(S, Q, N, count):
+        T = S.tokens.shape[1]
+        L = S.lc_kind.shape[0]
+        for o in range(count):
+            set_tree(S, Q, o, Q.path[o])
+        for lc in range(L):
+            if S.lc_kind[lc] == KIND_SSM:
+                continue
+            for o in range(count):
+                if is_stale(S, lc, N, o):
+                    continue
+                p = page_of(S, Q.path[o], lc)  # pruning guarantees it exists and covers enough
+                hold(S, p, HOLD)
+                set_entry(Q, o, lc, p, HOLD)
+        for lc in range(L):
+            if S.lc_kind[lc] == KIND_SSM and count > 0:
+                p = page_of(S, Q.path[count - 1], lc)  # an exact checkpoint, by pruning
+                hold(S, p, HOLD)
+                Q.scalars[Q_SSM_PAGE] = p
+                Q.scalars[Q_SSM_KIND] = HOLD
+        Q.scalars[Q_NUM_BLOCKS] = count
+        Q.scalars[Q_COMMITTED] = N
+        Q.scalars[Q_COMMITTED_BLOCKS] = N // T
+        Q.scalars[Q_HISTORY] = N
+        Q.scalars[Q_CAPACITY] = N
+
+    # -- resume / suspend ----------------------------------------------------------------
+    @jit
+    def set_all_kinds(S, Q, kind):
+        L = S.lc_kind.shape[0]
+        for o in range(Q.scalars[Q_NUM_BLOCKS]):
+            for lc in range(L):
+                p = Q.pages[o, lc]
+                if p != NULL and Q.kinds[o, lc] != kind:
+                    if kind == LOCK:
+                        S.pages[p, PAGE_LOCKS] += 1
+                    else:
+                        S.pages[p, PAGE_LOCKS] -= 1
+                    Q.kinds[o, lc] = kind
+        p = Q.scalars[Q_SSM_PAGE]
+        if p != NULL and Q.scalars[Q_SSM_KIND] != kind:
+            S.pages[p, PAGE_LOCKS] += 1 if kind == LOCK else -1
+            Q.scalars[Q_SSM_KIND] = kind
+
+    @call
+    def resume(S, Q):
+        """SUSPENDED -> ACTIVE. The first resume gives the sequence private copies
+        of a reused partial tail (every non-SSM life cycle) and of the SSM
+        checkpoint (a fresh SSM page when nothing was reused), and the partial
+        block becomes uncommitted: the sequence never writes a shared page."""
+        T = S.tokens.shape[1]
+        L = S.lc_kind.shape[0]
+        N = Q.scalars[Q_COMMITTED]
+        first = Q.scalars[Q_NEVER_RESUMED] == 1
+        partial = first and N % T != 0
+        if first:
+            for lc in range(L):  # all or nothing
+                need = 1 if (S.lc_kind[lc] == KIND_SSM or partial) else 0
+                if free_count(S, lc) < need:
+                    Q.scalars[Q_RESULT] = 0
+                    return
+        Q.scalars[Q_STATUS] = ACTIVE
+        set_all_kinds(S, Q, LOCK)
+        if first:
+            last = (N - 1) // T
+            for lc in range(L):
+                if S.lc_kind[lc] == KIND_SSM:
+                    p = new_page(S, lc, PAGE_UNCOMMITTED)
+                    src = Q.scalars[Q_SSM_PAGE]
+                    hold(S, p, LOCK)
+                    Q.scalars[Q_SSM_PAGE] = p
+                    Q.scalars[Q_SSM_KIND] = LOCK
+                    if src != NULL:
+                        record_copy(Q, lc, src, p)
+                        release(S, src, LOCK)
+                elif partial:
+                    p = new_page(S, lc, PAGE_UNCOMMITTED)
+                    src = Q.pages[last, lc]  # a partial tail is never stale
+                    hold(S, p, LOCK)
+                    record_copy(Q, lc, src, p)
+                    Q.pages[last, lc] = p
+                    release(S, src, LOCK)
+            if partial:
+                set_tree(S, Q, last, NULL)
+            Q.scalars[Q_NEVER_RESUMED] = 0
+        Q.scalars[Q_RESULT] = 1
+
+    # -- capacity and history (§2.10) -----------------------------------------------------
+    @call
+    def unlock_stale(S, Q, new_h, release_now):
+        """SWA blocks that become stale at ``new_h`` lose their lock: kept as a
+        holder only while they may still be committed (uncommitted, commits
+        allowed, not commit_min_snapshot); otherwise released (when
+        ``release_now``) or, on the resize path, released by ``resize`` itself."""
+        L = S.lc_kind.shape[0]
+        old_h = Q.scalars[Q_HISTORY]
+        if new_h == old_h:
+            return
+        for lc in range(L):
+            if S.lc_kind[lc] != KIND_SWA:
+                continue
+            lo = max(stale_end(S, lc, old_h), stale_start(S, lc, new_h))
+            hi = min(Q.scalars[Q_NUM_BLOCKS], stale_end(S, lc, new_h))
+            for o in range(lo, hi):
+                p = Q.pages[o, lc]
+                if p == NULL:
+                    continue
+                keep = Q.tree[o] == NULL and Q.scalars[Q_COMMIT_STATE] == ALLOWED and S.policy[POLICY_COMMIT_MIN_SNAPSHOT] == 0
+                if keep:
+                    if Q.kinds[o, lc] == LOCK:
+                        S.pages[p, PAGE_LOCKS] -= 1
+                    Q.kinds[o, lc] = HOLD
+                else:
+                    drop_entry(S, Q, o, lc)
+
+    @call
+    def drop_block(S, Q, o):
+        """Tear block ``o`` down: its tree reference first, then its pages in
+        descending life cycle."""
+        L = S.lc_kind.shape[0]
+        set_tree(S, Q, o, NULL)
+        for k in range(L):
+            drop_entry(S, Q, o, L - 1 - k)
+
+    @call
+    def resize(S, Q, cap, h):
+        """New blocks get a fresh page per non-SSM life cycle outside its stale
+        range at the new history; shrinking drops tail blocks (a rewind).
+        All or nothing: refused, with no change, when a pool is short."""
+        T = S.tokens.shape[1]
+        L = S.lc_kind.shape[0]
+        old_nb = Q.scalars[Q_NUM_BLOCKS]
+        new_nb = (cap + T - 1) // T
+        for lc in range(L):
+            Q.counts[lc] = 0
+            if S.lc_kind[lc] == KIND_SSM:
+                continue
+            for o in range(old_nb, new_nb):
+                if not is_stale(S, lc, h, o):
+                    Q.counts[lc] += 1
+            if free_count(S, lc) < Q.counts[lc]:
+                Q.scalars[Q_RESULT] = 0
+                return
+        unlock_stale(S, Q, h, True)
+        o = old_nb
+        while o > new_nb:
+            o -= 1
+            drop_block(S, Q, o)
+        for o in range(old_nb, new_nb):
+            Q.tree[o] = NULL
+            for lc in range(L):
+                set_entry(Q, o, lc, NULL, 0)
+                if S.lc_kind[lc] != KIND_SSM and not is_stale(S, lc, h, o):
+                    p = new_page(S, lc, PAGE_UNCOMMITTED)
+                    hold(S, p, LOCK)
+                    set_entry(Q, o, lc, p, LOCK)
+        Q.scalars[Q_NUM_BLOCKS] = new_nb
+        Q.scalars[Q_CAPACITY] = cap
+        Q.scalars[Q_HISTORY] = h
+        Q.scalars[Q_RESULT] = 1
+
+    # -- commits (§2.5) -------------------------------------------------------------------
+    @jit
+    def on_stop_committing(S, Q):
+        """Release held pages of uncommitted stale blocks kept only for committing."""
+        L = S.lc_kind.shape[0]
+        h = Q.scalars[Q_HISTORY]
+        for lc in range(L):
+            if S.lc_kind[lc] == KIND_SSM:
+                continue
+            lo = max(stale_start(S, lc, h), Q.scalars[Q_COMMITTED_BLOCKS])
+            hi = min(stale_end(S, lc, h), Q.scalars[Q_NUM_BLOCKS])
+            for o in range(lo, hi):
+                drop_entry(S, Q, o, lc)
+
+    @call
+    def tree_parent(S, Q, o, out):
+        """The tree parent of ordinal ``o``: the scope's root or committed block
+        ``o - 1``. A committed ancestor chain that was detached meanwhile is
+        re-attached first (as newer reference versions do), so a new block
+        never lands under an orphan."""
+        root = get_or_create_root(S, Q.scalars[Q_SCOPE_ID], Q.scalars[Q_SCOPE_KEY], Q.scope_digest)
+        if o == 0:
+            return root
+        if is_attached(S, Q.tree[o - 1]):
+            return Q.tree[o - 1]
+        k = o - 1  # find the first detached ancestor
+        while k > 0 and not is_attached(S, Q.tree[k - 1]):
+            k -= 1
+        parent = root if k == 0 else Q.tree[k - 1]
+        T = S.tokens.shape[1]
+        while k < o:
+            tb = Q.tree[k]
+            add_or_get(S, parent, S.tokens[tb], 0, T, out)
+            nb = out[0]
+            if nb != tb:
+                adopt_pages_from(S, nb, tb)
+                set_tree(S, Q, k, nb)
+            parent = nb
+            k += 1
+        return parent
+
+    @call
+    def copy_page_to_tree(S, Q, tb, lc, src, cov):
+        """§2.5.2: a copy of ``src`` with coverage ``cov`` into ``tb``'s slot when
+        strictly wider; when the pool is empty the snapshot is skipped, and the
+        older, narrower one stays (the replacement follows the copy)."""
+        if not can_replace_page(S, tb, lc, cov):
+            return
+        p = new_page(S, lc, PAGE_COMMITTED)
+        if p == NULL:
+            return
+        S.pages[p, PAGE_COVERAGE] = cov
+        record_copy(Q, lc, src, p)
+        replace_page(S, tb, lc, p)
+        S.pages[p, PAGE_LRU_TICK] = S.counters[CNT_TICK]
+        S.counters[CNT_TICK] += 1
+
+    @call
+    def snapshot_ssm(S, Q, tb, n_total, move):
+        """§2.5.3: checkpoint the live SSM state at ``n_total`` tokens on ``tb``."""
+        T = S.tokens.shape[1]
+        L = S.lc_kind.shape[0]
+        for lc in range(L):
+            if S.lc_kind[lc] != KIND_SSM:
+                continue
+            c = n_total - S.blocks[tb, BLK_ORDINAL] * T
+            if coverage(S, tb, lc) >= c:
+                return  # an equal or later checkpoint is there already
+            live = Q.scalars[Q_SSM_PAGE]
+            if move:  # is_end: hand the live state itself over
+                Q.scalars[Q_SSM_PAGE] = NULL
+                kind = Q.scalars[Q_SSM_KIND]
+                Q.scalars[Q_SSM_KIND] = 0
+                S.pages[live, PAGE_HOLDERS] -= 1
+                if kind == LOCK:
+                    S.pages[live, PAGE_LOCKS] -= 1
+                commit_page(S, live, c)
+                replace_page(S, tb, lc, live)
+                S.pages[live, PAGE_LRU_TICK] = S.counters[CNT_TICK]
+                S.counters[CNT_TICK] += 1
+            else:
+                copy_page_to_tree(S, Q, tb, lc, live, c)
+
+    @call
+    def commit_block(S, Q, o, last, ssm, move_ssm, out):
+        """§2.5.1."""
+        T = S.tokens.shape[1]
+        L = S.lc_kind.shape[0]
+        n = min(T, Q.scalars[Q_COMMITTED] - o * T)
+        full = n == T
+        parent = tree_parent(S, Q, o, out)
+        add_or_get(S, parent, Q.tokens, o * T, n, out)
+        tb = out[0]
+        is_new = out[1] == 1
+        ref_block(S, tb)  # pinned for this call, even if it becomes an orphan
+        did = False
+        if is_new:
+            for lc in range(L):
+                p = Q.pages[o, lc]
+                if S.lc_kind[lc] == KIND_SSM or p == NULL or S.pages[p, PAGE_STATE] != PAGE_UNCOMMITTED:
+                    continue
+                commit_page(S, p, n)
+                replace_page(S, tb, lc, p)  # replaces any narrower page tb adopted
+            did = True
+        elif S.blocks[tb, BLK_NUM_TOKENS] == T and full:  # rebase
+            for lc in range(L):
+                p = Q.pages[o, lc]
+                if S.lc_kind[lc] == KIND_SSM or p == NULL:
+                    continue
+                e = page_of(S, tb, lc)
+                if e != NULL and coverage(S, tb, lc) < n:
+                    e = NULL  # never adopt a tree page narrower than the block
+                if e == NULL:
+                    commit_page(S, p, n)
+                    replace_page(S, tb, lc, p)
+                else:
+                    kind = Q.kinds[o, lc]
+                    hold(S, e, kind)
+                    set_entry(Q, o, lc, e, kind)
+                    release(S, p, kind)  # our own uncommitted page
+            did = True
+        else:
+            Q.scalars[Q_COMMIT_STATE] = VIRTUAL_STOP  # our partial tail is covered already
+            Q.scalars[Q_VIRTUAL_STOPPED] = 1
+        if did:
+            set_tree(S, Q, o, tb)
+            Q.scalars[Q_COMMITTED_BLOCKS] += 1
+            if ssm:
+                snapshot_ssm(S, Q, tb, o * T + n, move_ssm)
+            h = Q.scalars[Q_HISTORY]
+            for lc in range(L):
+                if S.lc_kind[lc] != KIND_SSM and is_stale(S, lc, h, o):
+                    drop_entry(S, Q, o, lc)  # the tree keeps the page, now evictable
+        unref_block(S, tb)
+        if last or Q.scalars[Q_COMMIT_STATE] == VIRTUAL_STOP:
+            Q.scalars[Q_COMMIT_STATE] = USER_STOP
+            on_stop_committing(S, Q)
+
+    @call
+    def snapshot_partial(S, Q, o, ssm, out):
+        """§2.5.2: copies of the partial block's pages go into the tree (an exact
+        partial block, a longer covering sibling, or a new one); the sequence's
+        block stays uncommitted."""
+        T = S.tokens.shape[1]
+        L = S.lc_kind.shape[0]
+        n = Q.scalars[Q_COMMITTED] - o * T
+        parent = tree_parent(S, Q, o, out)
+        add_or_get(S, parent, Q.tokens, o * T, n, out)
+        tb = out[0]
+        ref_block(S, tb)
+        for lc in range(L):
+            p = Q.pages[o, lc]
+            if S.lc_kind[lc] != KIND_SSM and p != NULL and coverage(S, tb, lc) < n:
+                copy_page_to_tree(S, Q, tb, lc, p, n)
+        if ssm:
+            snapshot_ssm(S, Q, tb, o * T + n, False)
+        unref_block(S, tb)
+
+    @call
+    def stop_committing(S, Q, out):
+        T = S.tokens.shape[1]
+        state = Q.scalars[Q_COMMIT_STATE]
+        if state == USER_STOP:
+            return
+        if state == VIRTUAL_STOP:
+            Q.scalars[Q_COMMIT_STATE] = USER_STOP
+            return
+        if Q.scalars[Q_COMMITTED] > Q.scalars[Q_COMMITTED_BLOCKS] * T:
+            commit_block(S, Q, Q.scalars[Q_COMMITTED_BLOCKS], True, False, False, out)  # no SSM snapshot here
+        else:
+            Q.scalars[Q_COMMIT_STATE] = USER_STOP
+            on_stop_committing(S, Q)
+
+    @call
+    def commit(S, Q, n0, k, is_end, out):
+        """§2.5 ``commit``: the host already validated, raised the history and
+        appended the tokens to ``Q.tokens``."""
+        T = S.tokens.shape[1]
+        L = S.lc_kind.shape[0]
+        has_ssm = False
+        for lc in range(L):
+            if S.lc_kind[lc] == KIND_SSM:
+                has_ssm = True
+        n1 = n0 + k
+        if Q.scalars[Q_HISTORY] < n1:  # raising the history never allocates
+            resize(S, Q, Q.scalars[Q_CAPACITY], n1)
+        Q.scalars[Q_COMMITTED] = n1
+        if Q.scalars[Q_COMMIT_STATE] == VIRTUAL_STOP:
+            if is_end:
+                Q.scalars[Q_COMMIT_STATE] = USER_STOP
+            return
+        min_snapshot = S.policy[POLICY_COMMIT_MIN_SNAPSHOT] == 1
+        f0 = Q.scalars[Q_COMMITTED_BLOCKS]
+        f1 = n1 // T
+        partial = min_snapshot and n1 % T != 0
+        if f1 > f0 or partial:
+            snap = (n1 - 1) // T
+            for o in range(f0, f1):
+                commit_block(S, Q, o, False, min_snapshot and has_ssm and o == snap, is_end, out)
+                if Q.scalars[Q_COMMIT_STATE] != ALLOWED:
+                    break
+            if partial and Q.scalars[Q_COMMIT_STATE] == ALLOWED:
+                if is_end:
+                    commit_block(S, Q, f1, True, has_ssm, has_ssm, out)
+                else:
+                    snapshot_partial(S, Q, f1, has_ssm, out)
+        if is_end and Q.scalars[Q_COMMIT_STATE] != USER_STOP:
+            stop_committing(S, Q, out)
+
+    @call
+    def close(S, Q, out):
+        stop_committing(S, Q, out)
+        o = Q.scalars[Q_NUM_BLOCKS]
+        while o > 0:
+            o -= 1
+            drop_block(S, Q, o)
+        p = Q.scalars[Q_SSM_PAGE]
+        if p != NULL:
+            kind = Q.scalars[Q_SSM_KIND]
+            Q.scalars[Q_SSM_PAGE] = NULL
+            Q.scalars[Q_SSM_KIND] = 0
+            release(S, p, kind)
+        Q.scalars[Q_NUM_BLOCKS] = 0
+        Q.scalars[Q_STATUS] = CLOSED
+
+    @call
+    def seq_op(S, Q, op):
+        out = Q.out
+        Q.scalars[Q_NUM_COPIES] = 0
+        Q.scalars[Q_RESULT] = 1
+        if op == SEQ_SETUP_REUSE:
+            setup_reuse(S, Q, Q.args[0], Q.args[1])
+        elif op == SEQ_RESUME:
+            resume(S, Q)
+        elif op == SEQ_SUSPEND:
+            Q.scalars[Q_STATUS] = SUSPENDED
+            set_all_kinds(S, Q, HOLD)
+        elif op == SEQ_RESIZE:
+            resize(S, Q, Q.args[0], Q.args[1])
+        elif op == SEQ_COMMIT:
+            commit(S, Q, Q.args[0], Q.args[1], Q.args[2] == 1, out)
+        elif op == SEQ_STOP:
+            stop_committing(S, Q, out)
+        elif op == SEQ_CLOSE:
+            close(S, Q, out)
+
+    return seq_op
+
+
+@functools.lru_cache(maxsize=None)
+def build_seq_kernel(target: str):
+    """``run(S, Q, op)``: one sequence operation, serially."""
+    seq_op = build_seq(target)
+    if target == "cpu":
+        from numba import njit
+
+        return njit(cache=True)(bind_globals(_run_cpu, seq_op=seq_op))
+
+    from numba import cuda
+
+    kernel = cuda.jit(bind_globals(_run_cuda, seq_op=seq_op, cuda=cuda))
+
+    def run(S, Q, op):
+        kernel[1, 1](S, Q, op)
+
+    return run
+
+
+def _run_cpu(S, Q, op):
+    seq_op(S, Q, op)  # noqa: F821 (bound by bind_globals)
+
+
+def _run_cuda(S, Q, op):
+    if cuda.grid(1) == 0:  # noqa: F821
+        seq_op(S, Q, op)  # noqa: F821
