@@ -41,7 +41,8 @@ from .kernels.seq import (
     SeqTables,
     build_seq_kernel,
 )
-from .layout import NULL, PAGE_POOL_INDEX
+from .config import KIND_FULL, KIND_SWA
+from .layout import NULL, PAGE_COMMITTED, PAGE_HOLDERS, PAGE_PLANNED_DROPS, PAGE_POOL_INDEX, PAGE_SERIAL, PAGE_STATE
 from .tokens import token_array
 
 
@@ -190,6 +191,38 @@ class KVCache:
         self._launch(SEQ_CLOSE)
         self._mgr._open_caches.discard(self)
 
+    def plan_committed_block_drop(self) -> "PlannedDrop | None":
+        """Plan dropping this turn's pages that a later turn will not need
+        (§2.9): the SWA window at the endpoint and the last SSM checkpoint, never
+        full attention. None when nothing was committed or the committed tokens
+        no longer match back to their full length. Needs stop_committing()."""
+        if self.status is KVCacheStatus.CLOSED:
+            raise LogicError("plan_committed_block_drop() on a closed KV cache")
+        if int(self._scalars[Q_COMMIT_STATE]) != USER_STOP:
+            raise LogicError("plan_committed_block_drop() needs stop_committing() first")
+        N = self.num_committed_tokens
+        if N == 0:
+            return None
+        mgr = self._mgr
+        scope = mgr._tree.scope_of(int(self._scalars[Q_SCOPE_ID]))
+        m = mgr._matcher.match([self.committed_tokens], scope, backoff=0).to_host()  # never backed off
+        blocks = m.blocks(0)
+        if int(m.num_tokens[0]) != N or not len(blocks):
+            return None
+        E = len(blocks)
+        L = len(mgr.config.life_cycles)
+        slots = self._backend.to_host(mgr._tables.slots)
+        picked = []
+        for lc, life in enumerate(mgr.config.life_cycles):
+            if life.kind == KIND_FULL:
+                continue  # later turns may still need full-attention blocks
+            start = min(life.stale_range(N, self._T)[1], E) if life.kind == KIND_SWA else E - 1
+            pages = slots[blocks[start:] * L + lc, 0]
+            if (pages == NULL).any():
+                return None
+            picked.extend(int(p) for p in pages)
+        return PlannedDrop(mgr, sorted(set(picked)))
+
     # -- plumbing ---------------------------------------------------------------------------
     def _setup_reuse(self, tokens: np.ndarray, num_tokens: int, blocks: np.ndarray):
         self._reserve(len(blocks))
@@ -241,6 +274,34 @@ class KVCache:
     def __repr__(self):
         return (f"KVCache({self.status.name}, committed={self.num_committed_tokens}, "
                 f"history={self.history_length}, capacity={self.capacity})")
+
+
+class PlannedDrop:
+    """Pages one turn planned to drop; ``drop()`` applies the plan once.
+
+    Plans are reference counts on pages: a page dies when the last plan naming
+    it is dropped, if nobody holds it then."""
+
+    def __init__(self, mgr, pages: list[int]):
+        self._mgr = mgr
+        table = mgr._backend.to_host(mgr._tables.pages)
+        self._pages = [(p, int(table[p, PAGE_SERIAL])) for p in pages]
+        for p in pages:
+            mgr._tables.pages[p, PAGE_PLANNED_DROPS] += 1
+        self.dropped = False
+
+    def drop(self):
+        if self.dropped:
+            raise RuntimeError("This planned drop has already been dropped")
+        self.dropped = True
+        mgr = self._mgr
+        for p, serial in self._pages:  # a handful: the window's blocks and one checkpoint
+            row = np.array(mgr._backend.to_host(mgr._tables.pages[p]))  # a copy, not a view
+            if row[PAGE_SERIAL] != serial or row[PAGE_STATE] != PAGE_COMMITTED:
+                continue  # that page died meanwhile
+            mgr._tables.pages[p, PAGE_PLANNED_DROPS] -= 1
+            if row[PAGE_PLANNED_DROPS] == 1 and row[PAGE_HOLDERS] == 0:
+                mgr._tree.page_death(p)
 
 
 def _int(name, v) -> int:

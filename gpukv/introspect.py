@@ -296,3 +296,17 @@ def insert_sequence(mgr, tokens, scope=None) -> int:
     finished request would leave them. Builds trees for benchmarks and
     simulations; returns the number of blocks that got pages."""
     return mgr._tree.insert(tokens, scope)
+
+
+def committed_page_is_linked(kv, ordinal: int, life_cycle_id: int):
+    """None if the cache's slot is empty or holds an uncommitted page; otherwise
+    whether that committed page is still linked to a tree block (a page
+    replaced by a wider one must be unlinked)."""
+    kv._check_lc(life_cycle_id)
+    p = int(kv._backend.to_host(kv._q.pages[ordinal, life_cycle_id]))
+    if p == NULL:
+        return None
+    row = kv._backend.to_host(kv._mgr._tables.pages[p])
+    if row[PAGE_STATE] != PAGE_COMMITTED:
+        return None
+    return bool(row[PAGE_BLOCK] != NULL)

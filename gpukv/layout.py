@@ -87,6 +87,7 @@ PAGES = Layout(
         ("lru_tick", 1),  # when it last became evictable (LRU order)
         ("state", 1),  # PAGE_* below
         ("pool_index", 1),  # its index in the life cycle's pool of its level
+        ("serial", 1),  # set at allocation: tells a page from a later one in the same row
     ],
 )
 PAGE_FREE = 0

@@ -87,6 +87,12 @@ class BlockTree:
     def scope_key(self, sid: int) -> int:
         return self._scope_keys[sid]
 
+    def scope_of(self, sid: int) -> ReuseScope:
+        for scope, i in self._scope_ids.items():
+            if i == sid:
+                return scope
+        raise KeyError(sid)
+
     def scope_digest(self, sid: int) -> bytes:
         return int64x4_to_digest(self._scope_digests[sid])
 

@@ -314,3 +314,38 @@ def test_a_memoized_sequence_keeps_growing(backend):
     # the same sequence twice in one batch, and beside other requests
     m = mgr.match_batch([seq, p1, seq]).to_host()
     assert m.num_tokens.tolist() == [21, 12, 21]
+
+
+_RECALL_IN_A_LARGE_BATCH = """
+import gpukv
+from gpukv import Attention, introspect
+mgr = gpukv.KVCacheManager(gpukv.CacheConfig(tokens_per_block=4, layers=[Attention()], backend="cpu"))
+p = list(range(1, 13))
+introspect.insert_sequence(mgr, p)
+seqs = [mgr.token_sequence(p) for _ in range(40)]
+assert mgr.match_batch(seqs[:1]).to_host().num_tokens.tolist() == [12]  # memoizes 3 blocks
+m = mgr.match_batch(seqs).to_host()  # 40 >= PARALLEL_MIN_REQUESTS: the parallel cpu kernel
+assert m.num_tokens.tolist() == [12] * 40, m.num_tokens
+assert m.block_offsets.tolist() == list(range(0, 121, 3)), m.block_offsets
+print("ok")
+"""
+
+
+@pytest.mark.xfail(
+    reason="cpu: in the parallel match kernel the writes through the MatchBatch tuple (path, res, "
+           "verified, memo) are lost; recalling a memo then walks from an uninitialized path entry "
+           "and the process segfaults",
+    strict=True,
+)
+def test_a_large_batch_recalls_memoized_sequences():
+    """Run in a child process: today it crashes the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    p = subprocess.run([sys.executable, "-c", _RECALL_IN_A_LARGE_BATCH], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-2000:])

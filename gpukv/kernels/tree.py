@@ -71,6 +71,7 @@ from ..layout import (
     PAGE_PLANNED_DROPS,
     PAGE_POOL_INDEX,
     PAGE_PRIORITY,
+    PAGE_SERIAL,
     PAGE_STATE,
     SLOT_COVERAGE,
     SLOT_PAGE,
@@ -261,6 +262,8 @@ def _build_tree(target: str) -> SimpleNamespace:
         S.pages[p, PAGE_PLANNED_DROPS] = 0
         S.pages[p, PAGE_PRIORITY] = DEFAULT_PRIORITY
         S.pages[p, PAGE_STATE] = PAGE_COMMITTED
+        S.pages[p, PAGE_SERIAL] = S.counters[CNT_SERIAL]
+        S.counters[CNT_SERIAL] += 1
         return p
 
     @jit
