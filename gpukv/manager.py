@@ -6,6 +6,8 @@ answers reuse queries for whole batches with one kernel launch per stage.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .arena import TokenArena, TokenSequence
@@ -17,6 +19,54 @@ from .config import CacheConfig
 from .matching import BatchMatch, Matcher
 from .tables import Tables
 from .tree import BlockTree
+
+
+@dataclass
+class ReuseStats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    reused_tokens: int = 0
+    full_block_reuses: int = 0  # reuse ends on a block boundary
+    partial_block_reuses: int = 0  # reuse ends inside a block (a rewind endpoint)
+    ssm_lookups: int = 0
+    ssm_hits: int = 0
+    ssm_misses: int = 0
+    ssm_reused_tokens: int = 0
+    ssm_unreused_tokens: int = 0
+    ssm_aligned_hits: int = 0
+    ssm_unaligned_hits: int = 0
+
+    def record(self, looked_up: int, reused: int, T: int, has_ssm: bool):
+        self.lookups += 1
+        self.lookup_tokens += looked_up
+        self.reused_tokens += reused
+        if reused:
+            if reused % T:
+                self.partial_block_reuses += 1
+            else:
+                self.full_block_reuses += 1
+        if has_ssm:
+            self.ssm_lookups += 1
+            self.ssm_reused_tokens += reused
+            self.ssm_unreused_tokens += looked_up - reused
+            if reused:
+                self.ssm_hits += 1
+                if reused % T:
+                    self.ssm_unaligned_hits += 1
+                else:
+                    self.ssm_aligned_hits += 1
+            else:
+                self.ssm_misses += 1
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def ssm_dict(self) -> dict:
+        if not self.ssm_lookups:
+            return {}
+        d = {k[4:]: v for k, v in self.__dict__.items() if k.startswith("ssm_")}
+        d["hit_rate"] = self.ssm_hits / self.ssm_lookups
+        return d
 
 
 class KVCacheManager:
@@ -31,6 +81,7 @@ class KVCacheManager:
         self._arena = TokenArena(self._backend, config.tokens_per_block, self._tables.intern_digest)
         self._matcher = Matcher(self._tables, self._tree, self._arena, config)
         self._open_caches: set[KVCache] = set()
+        self._stats = ReuseStats()
         # Real page memory: one [pages, page_bytes] byte array per life cycle's GPU pool.
         self._page_memory = [
             self._backend.xp.zeros((n, config.page_bytes), dtype=np.uint8) if config.page_bytes else None
@@ -90,8 +141,25 @@ class KVCacheManager:
             n = int(m.num_tokens[0])
             if n:
                 kv._setup_reuse(tokens, n, m.blocks(0))
+            self._stats.record(len(tokens), n, self.tokens_per_block, self.ssm_life_cycle_id is not None)
         self._open_caches.add(kv)
         return kv
+
+    def get_and_reset_reuse_stats(self) -> dict:
+        """Reuse counters since the last call (per scheduler iteration):
+        lookups, looked-up and reused tokens, full-block vs partial-block reuse,
+        and, with an SSM layer, snapshot lookups, hits, misses, reused and
+        unreused tokens, aligned and unaligned hits."""
+        out = self._stats.as_dict()
+        self._stats = ReuseStats()
+        return out
+
+    def get_and_reset_ssm_snapshot_iteration_stats(self) -> dict:
+        """The SSM part of the reuse counters ({} without an SSM layer or when
+        nothing was looked up since the last call)."""
+        stats = self._stats
+        self._stats = ReuseStats(**{k: v for k, v in stats.__dict__.items() if not k.startswith("ssm_")})
+        return stats.ssm_dict()
 
     def page_memory(self, life_cycle_id: int):
         """The life cycle's GPU page pool as a [pages, page_bytes] uint8 array

@@ -263,8 +263,7 @@ class Engine:
         blocks, toks, slots, pages = t["blocks"], t["tokens"], t["slots"], t["pages"]
         L = len(self.specs)
         flags = blocks["flags"]
-        attached = (flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)
-        rows = np.nonzero(attached & ((flags & FLAG_ROOT) == 0))[0]
+        rows = attached_rows(blocks)
         rows = rows[np.argsort(blocks["ordinal"][rows], kind="stable")]  # parents first
         words = [_host(self.words(lc)) for lc in range(L)]
         end_digest: dict = {}  # row -> running digest after the block's last token
@@ -297,7 +296,10 @@ class Engine:
                         [_value(lc, o * T + i, ds[i]) for i in range(n)], dtype=np.int64
                     )
                 pool = int(pages["pool_index"][pg])
-                where = f"tree page {pg} (pool index {pool}) of block {block_tokens} at ordinal {o}, life cycle {lc}, coverage {cov}"
+                where = (
+                    f"tree page {pg} (pool index {pool}) of block {block_tokens} at ordinal {o}, "
+                    f"life cycle {lc}, coverage {cov}"
+                )
                 if lc == self.ssm:
                     got = int(words[lc][pool, 0])
                     assert got == want[cov - 1], f"{where}: SSM state is wrong (got {got}, want {want[cov - 1]})"
@@ -315,6 +317,13 @@ class Engine:
 # ---------------------------------------------------------------------------
 
 
+def attached_rows(blocks) -> np.ndarray:
+    """Rows of the ``blocks`` table that hold an attached, non-root block."""
+    flags = blocks["flags"]
+    attached = (flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)
+    return np.nonzero(attached & ((flags & FLAG_ROOT) == 0))[0]
+
+
 def _key(blocks, row) -> bytes:
     """A block's SHA-256 chain key (the reference identity) from its table row."""
     return np.ascontiguousarray(blocks["digest"][row]).astype("<i8").tobytes()
@@ -329,9 +338,7 @@ def chain_covs(mgr, tokens, scope=None) -> list:
     t = introspect.tables(mgr)
     blocks, slots = t["blocks"], t["slots"]
     L = len(mgr.life_cycles)
-    flags = blocks["flags"]
-    attached = np.nonzero(((flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)) & ((flags & FLAG_ROOT) == 0))[0]
-    by_key = {_key(blocks, r): int(r) for r in attached}
+    by_key = {_key(blocks, r): int(r) for r in attached_rows(blocks)}
     out = []
     for i, (_, key) in enumerate(gpukv.sequence_to_blockchain_keys(mgr.tokens_per_block, scope, list(tokens))):
         if i == 0:
@@ -348,10 +355,8 @@ def attached_blocks(mgr) -> dict:
     t = introspect.tables(mgr)
     blocks, toks, slots = t["blocks"], t["tokens"], t["slots"]
     L = len(mgr.life_cycles)
-    flags = blocks["flags"]
-    rows = np.nonzero(((flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)) & ((flags & FLAG_ROOT) == 0))[0]
     out = {}
-    for r in rows:
+    for r in attached_rows(blocks):
         key = _key(blocks, r)
         n = int(blocks["num_tokens"][r])
         out[key] = (tuple(int(x) for x in toks[r, :n]), tuple(int(slots["coverage"][r * L + lc]) for lc in range(L)))

@@ -26,10 +26,10 @@ from gpukv import Attention, ReuseScope, Ssm, introspect
 
 try:  # tests/ is on sys.path under pytest's default import mode
     from conftest import make_manager
-    from engine import Engine, chain_covs, token_value
+    from engine import Engine, attached_rows, chain_covs, token_value
 except ImportError:  # pragma: no cover - if tests/ becomes a package
     from tests.conftest import make_manager
-    from tests.engine import Engine, chain_covs, token_value
+    from tests.engine import Engine, attached_rows, chain_covs, token_value
 
 
 # ---------------------------------------------------------------------------
@@ -399,7 +399,8 @@ def test_M13_monotone_same_block_snapshots_across_turns():
         rig.execute_and_commit(kv, prompt, L)  # non-end: a partial snapshot
         kv.close()
         assert chain_covs(mgr, prompt[:L]) == [(L, (L, L))]
-        first_blocks = [b for b in introspect.tables(mgr)["blocks"] if _is_attached_block(b) and b["ordinal"] == 0]
+        blocks = introspect.tables(mgr)["blocks"]
+        first_blocks = [r for r in attached_rows(blocks) if blocks["ordinal"][r] == 0]
         assert len(first_blocks) == 1, "each longer partial block covers and adopts the previous one"
         if previous is not None:
             assert chain_covs(mgr, prompt[:previous]) == [], "the shorter partial block is detached"
@@ -407,12 +408,6 @@ def test_M13_monotone_same_block_snapshots_across_turns():
         rig.check()
     assert rig.reuse(prompt[:25]) == 25
     rig.check()
-
-
-def _is_attached_block(b) -> bool:
-    from gpukv.layout import FLAG_ATTACHED, FLAG_IN_USE, FLAG_ROOT
-
-    return (b["flags"] & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED) and not b["flags"] & FLAG_ROOT
 
 
 @pytest.mark.parametrize("partial", [False, True])
