@@ -331,14 +331,8 @@ print("ok")
 """
 
 
-@pytest.mark.xfail(
-    reason="cpu: in the parallel match kernel the writes through the MatchBatch tuple (path, res, "
-           "verified, memo) are lost; recalling a memo then walks from an uninitialized path entry "
-           "and the process segfaults",
-    strict=True,
-)
 def test_a_large_batch_recalls_memoized_sequences():
-    """Run in a child process: today it crashes the interpreter."""
+    """Run in a child process, so a crash in the kernel fails the test instead of pytest."""
     import os
     import subprocess
     import sys

@@ -302,14 +302,25 @@ def build_match_kernels(target: str) -> SimpleNamespace:
         def kernel(f, parallel=True):
             return njit(parallel=parallel, cache=True, nogil=True)(bind_globals(f, prange=prange, **helpers))
 
-        # A parallel region costs a thread wake-up (milliseconds on a loaded
-        # machine): small batches and the copy-only compaction run serially.
-        # Two functions, not one compiled twice: each gets its own disk-cache entry.
-        match_parallel, match_serial = kernel(_match_cpu), kernel(_match_cpu_serial, parallel=False)
+        # Requests are split over worker threads, each running the serial
+        # kernel on a contiguous range with the GIL released. (A numba parallel
+        # loop would be simpler, but it drops writes made through the batch
+        # tuple, and its thread-pool wake-up costs milliseconds on a loaded
+        # machine; small batches run on the calling thread.)
+        match_range = kernel(_match_cpu_range, parallel=False)
 
         def match(S, B, partial, backoff, ssm_lc):
-            run = match_parallel if B.starts.shape[0] >= PARALLEL_MIN_REQUESTS else match_serial
-            run(S, B, partial, backoff, ssm_lc)
+            n = B.starts.shape[0]
+            workers, k = _pool()
+            if n < PARALLEL_MIN_REQUESTS or workers is None:
+                match_range(S, B, 0, n, partial, backoff, ssm_lc)
+                return
+            bounds = [n * w // k for w in range(k + 1)]
+            jobs = [workers.submit(match_range, S, B, bounds[w], bounds[w + 1], partial, backoff, ssm_lc)
+                    for w in range(1, k)]
+            match_range(S, B, bounds[0], bounds[1], partial, backoff, ssm_lc)
+            for job in jobs:
+                job.result()
 
         return SimpleNamespace(match=match, hash_blocks=kernel(_hash_cpu), compact=kernel(_compact_cpu, parallel=False))
 
@@ -341,15 +352,9 @@ def build_match_kernels(target: str) -> SimpleNamespace:
 
 # -- kernels: module level so Numba's disk cache hits (see backend.bind_globals) --------
 # noqa: F821 throughout: helpers, prange and cuda are bound by bind_globals.
-def _match_cpu(S, B, partial, backoff, ssm_lc):
-    for i in prange(B.starts.shape[0]):  # noqa: F821
-        tmp = np.empty(2, dtype=np.int64)
-        match_one(S, B, i, partial, backoff, ssm_lc, tmp)  # noqa: F821
-
-
-def _match_cpu_serial(S, B, partial, backoff, ssm_lc):
+def _match_cpu_range(S, B, lo, hi, partial, backoff, ssm_lc):
     tmp = np.empty(2, dtype=np.int64)
-    for i in range(B.starts.shape[0]):
+    for i in range(lo, hi):
         match_one(S, B, i, partial, backoff, ssm_lc, tmp)  # noqa: F821
 
 
@@ -379,6 +384,22 @@ def _compact_cuda(B, block_offsets, block_ids):
     i = cuda.grid(1)  # noqa: F821
     if i < B.res.shape[0]:
         compact_one(i, B, block_offsets, block_ids)  # noqa: F821
+
+
+_POOL = []
+
+
+def _pool():
+    """``(executor, threads)`` for cpu matching: the caller runs one share and
+    ``threads - 1`` pool workers the others (no executor on a single core)."""
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from numba import config
+
+        n = max(1, int(config.NUMBA_NUM_THREADS))
+        _POOL.append((ThreadPoolExecutor(max_workers=n - 1) if n > 1 else None, n))
+    return _POOL[0]
 
 
 def _like(a, shape):
