@@ -100,6 +100,8 @@ class CacheConfig:
     host_pages_per_life_cycle: int | Sequence[int] = 0
 
     def __post_init__(self):
+        if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__iter__"):
+            raise ConfigError(f"layers must be a sequence of gpukv.Attention / gpukv.Ssm, got {self.layers!r}")
         object.__setattr__(self, "layers", tuple(self.layers))
         self.validate()
 

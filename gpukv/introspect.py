@@ -96,6 +96,7 @@ def close_test_block(mgr, block: BlockRef):
 def page_of(mgr, block: BlockRef, life_cycle_id: int):
     """``(page_id, coverage)`` in the block's slot, or None."""
     r = mgr._tree.resolve(block)
+    mgr._tree._check_lc(life_cycle_id)
     L = len(mgr.config.life_cycles)
     p, c = mgr._backend.to_host(mgr._tables.slots[r * L + life_cycle_id])
     return None if p == NULL else (int(p), int(c))

@@ -91,7 +91,7 @@ class Matcher:
         if len(requests) and all(type(r) is TokenSequence for r in requests):
             return self._registered(requests)
         requests = [self._tokens_of(i, r) for i, r in enumerate(requests)]
-        flat, offsets = flatten(requests, self.tables.intern_digest)
+        flat, offsets = flatten(requests, self.tables.lookup_digest)
         flat, offsets = b.to_device(flat), b.to_device(offsets)
         return self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1])
 

@@ -74,6 +74,7 @@ DeviceTables = namedtuple(
 )
 
 INITIAL_BLOCK_ROWS = 256
+UNKNOWN_DIGEST = -(2**31)  # stands for any digest no block holds
 
 
 class Tables:
@@ -228,6 +229,13 @@ class Tables:
             self._mm_index[digest] = i
             self.num_mm_digests = i + 1
         return -1 - i
+
+    def lookup_digest(self, digest: bytes) -> int:
+        """The token id of a digest for a lookup: its interned id, or an id no
+        block ever holds when the digest was never stored (so lookups do not
+        grow the table)."""
+        i = self._mm_index.get(digest)
+        return UNKNOWN_DIGEST if i is None else -1 - i
 
     def digest_of_token(self, token: int) -> bytes:
         return bytes(self.backend.to_host(self.mm_digests[-1 - token]))

@@ -48,7 +48,11 @@ def flatten(requests: Sequence, intern: Callable[[bytes], int]) -> tuple[np.ndar
     """Many sequences as ``(flat int32 tokens, int64 offsets of length B+1)``."""
     if isinstance(requests, (str, bytes, np.ndarray)) or not hasattr(requests, "__len__"):
         raise TypeError("requests must be a list of token sequences or a (flat_tokens, offsets) pair")
-    lengths = np.fromiter(map(len, requests), dtype=np.int64, count=len(requests))
+    try:
+        lengths = np.fromiter(map(len, requests), dtype=np.int64, count=len(requests))
+    except TypeError:
+        i = next(i for i, r in enumerate(requests) if not hasattr(r, "__len__"))
+        raise TypeError(f"request {i}: tokens must be a sequence of ints, got {type(requests[i]).__name__}") from None
     offsets = np.zeros(len(requests) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     flat = np.empty(int(offsets[-1]), dtype=np.int32)
@@ -129,17 +133,22 @@ def _check_sign(a: np.ndarray, request):
 
 
 def _slow(tokens, intern, request) -> np.ndarray:
-    """Token by token: only for sequences holding digests (or errors)."""
+    """Token by token: only for sequences holding digests (or errors). Every
+    token is validated before any digest is interned, so a rejected sequence
+    leaves the digest table as it was."""
     out = np.empty(len(tokens), dtype=np.int32)
+    digests = []
     for pos, tok in enumerate(tokens):
         if isinstance(tok, bytes):
             if len(tok) != DIGEST_BYTES:
                 raise TokenError(f"{_where(request)}digest token at position {pos} must be 32 bytes, got {len(tok)}")
-            out[pos] = intern(tok)
+            digests.append(pos)
         elif isinstance(tok, (int, np.integer)):
             if not 0 <= tok <= MAX_TOKEN_ID:
                 raise TokenError(f"{_where(request)}token {tok} at position {pos} is outside 0..{MAX_TOKEN_ID}")
             out[pos] = tok
         else:
             raise TypeError(f"{_where(request)}token at position {pos} must be an int or 32-byte digest, got {tok!r}")
+    for pos in digests:
+        out[pos] = intern(tokens[pos])
     return out

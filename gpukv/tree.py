@@ -184,6 +184,8 @@ class BlockTree:
         r = self.resolve(block)
         self._check_lc(lc)
         n = int(self.row(r)[BLK_NUM_TOKENS])
+        if not isinstance(coverage, (int, np.integer)) or isinstance(coverage, bool):
+            raise TypeError(f"coverage must be an int, got {coverage!r}")
         if not 1 <= coverage <= n:
             raise ValueError(f"coverage must be in 1..{n} (the block's tokens), got {coverage}")
         return int(self._op(OP_ADD_PAGE, (r, lc, coverage))[0])
@@ -196,6 +198,8 @@ class BlockTree:
     def page_death(self, page: int):
         """A committed page lost its last owner (§2.7)."""
         pages = self.tables.pages
+        if not isinstance(page, (int, np.integer)) or isinstance(page, bool):
+            raise TypeError(f"page must be an int page id, got {page!r}")
         if not 0 <= page < pages.shape[0]:
             raise ValueError(f"page {page} does not exist")
         if int(self.backend.to_host(pages[page, PAGE_STATE])) != PAGE_COMMITTED:
@@ -217,5 +221,5 @@ class BlockTree:
 
     def _check_lc(self, lc):
         L = self.tables.num_life_cycles
-        if not isinstance(lc, (int, np.integer)) or not 0 <= lc < L:
+        if not isinstance(lc, (int, np.integer)) or isinstance(lc, bool) or not 0 <= lc < L:
             raise ValueError(f"life_cycle_id must be in 0..{L - 1}, got {lc!r}")
