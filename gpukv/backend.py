@@ -2,7 +2,7 @@
 
 Three backends share one kernel source:
 
-- ``cpu``: NumPy arrays; kernels compiled with ``numba.njit`` (``prange`` over items).
+- ``cpu``: NumPy arrays; kernels compiled with ``numba.njit`` (items split over threads).
 - ``cuda``: CuPy arrays on the GPU; kernels compiled with ``numba.cuda.jit``.
 - ``cudasim``: NumPy arrays; the ``numba.cuda`` kernels run in Numba's CUDA
   simulator. Slow, for tests on machines without a GPU.

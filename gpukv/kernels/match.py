@@ -3,8 +3,8 @@
 One request is one item: ``match_one`` walks the child index block by block
 (verifying tokens on every hit), tries the partial match among the children of
 the last matched block, applies the backoff to the raw path and runs the
-coverage-aware pruning fixed point. The ``cpu`` kernel runs items with
-``prange``; the ``cuda`` kernel runs one thread per item. Block content hashes
+coverage-aware pruning fixed point. The ``cpu`` kernel runs ranges of items on
+worker threads; the ``cuda`` kernel runs one thread per item. Block content hashes
 can come precomputed (``hash_blocks``, parallel over blocks; cached per block by
 ``TokenSequence``) or be computed during the walk, which hashes only the blocks
 the walk reaches.
@@ -35,6 +35,7 @@ RES_NUM_BLOCKS = 4
 RES_WIDTH = 5
 
 PARALLEL_MIN_REQUESTS = 32  # smaller cpu batches run on one thread
+PARALLEL_MIN_BLOCKS = 256  # and so do small hashing jobs
 
 # One batch of requests as the match kernel reads it. Request i is
 # toks[starts[i]:starts[i] + lengths[i]]; its full-block content hashes are
@@ -297,32 +298,24 @@ def build_match_kernels(target: str) -> SimpleNamespace:
     helpers = dict(match_one=m.match_one, hash_one=m.hash_one, compact_one=m.compact_one)
 
     if target == "cpu":
-        from numba import njit, prange
+        from numba import njit
 
-        def kernel(f, parallel=True):
-            return njit(parallel=parallel, cache=True, nogil=True)(bind_globals(f, prange=prange, **helpers))
+        def kernel(f):
+            return njit(cache=True, nogil=True)(bind_globals(f, **helpers))
 
-        # Requests are split over worker threads, each running the serial
-        # kernel on a contiguous range with the GIL released. (A numba parallel
-        # loop would be simpler, but it drops writes made through the batch
-        # tuple, and its thread-pool wake-up costs milliseconds on a loaded
-        # machine; small batches run on the calling thread.)
-        match_range = kernel(_match_cpu_range, parallel=False)
+        # Work is split over worker threads, each running a serial kernel on a
+        # contiguous range with the GIL released (``_split``). A numba parallel
+        # loop would be shorter, but it drops writes made through the batch
+        # tuple, and waking its thread pool costs milliseconds on a busy host.
+        match_range, hash_range, compact = kernel(_match_cpu_range), kernel(_hash_cpu_range), kernel(_compact_cpu)
 
         def match(S, B, partial, backoff, ssm_lc):
-            n = B.starts.shape[0]
-            workers, k = _pool()
-            if n < PARALLEL_MIN_REQUESTS or workers is None:
-                match_range(S, B, 0, n, partial, backoff, ssm_lc)
-                return
-            bounds = [n * w // k for w in range(k + 1)]
-            jobs = [workers.submit(match_range, S, B, bounds[w], bounds[w + 1], partial, backoff, ssm_lc)
-                    for w in range(1, k)]
-            match_range(S, B, bounds[0], bounds[1], partial, backoff, ssm_lc)
-            for job in jobs:
-                job.result()
+            _split(B.starts.shape[0], PARALLEL_MIN_REQUESTS, lambda lo, hi: match_range(S, B, lo, hi, partial, backoff, ssm_lc))
 
-        return SimpleNamespace(match=match, hash_blocks=kernel(_hash_cpu), compact=kernel(_compact_cpu, parallel=False))
+        def hash_blocks(toks, src, dst, first_block, hashes, T, total):
+            _split(total, PARALLEL_MIN_BLOCKS, lambda lo, hi: hash_range(toks, src, dst, first_block, hashes, T, lo, hi))
+
+        return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact)
 
     from numba import cuda
 
@@ -351,15 +344,15 @@ def build_match_kernels(target: str) -> SimpleNamespace:
 
 
 # -- kernels: module level so Numba's disk cache hits (see backend.bind_globals) --------
-# noqa: F821 throughout: helpers, prange and cuda are bound by bind_globals.
+# noqa: F821 throughout: helpers and cuda are bound by bind_globals.
 def _match_cpu_range(S, B, lo, hi, partial, backoff, ssm_lc):
     tmp = np.empty(2, dtype=np.int64)
     for i in range(lo, hi):
         match_one(S, B, i, partial, backoff, ssm_lc, tmp)  # noqa: F821
 
 
-def _hash_cpu(toks, src, dst, first_block, hashes, T, total):
-    for g in prange(total):  # noqa: F821
+def _hash_cpu_range(toks, src, dst, first_block, hashes, T, lo, hi):
+    for g in range(lo, hi):
         hash_one(g, toks, src, dst, first_block, hashes, T)  # noqa: F821
 
 
@@ -400,6 +393,20 @@ def _pool():
         n = max(1, int(config.NUMBA_NUM_THREADS))
         _POOL.append((ThreadPoolExecutor(max_workers=n - 1) if n > 1 else None, n))
     return _POOL[0]
+
+
+def _split(n: int, minimum: int, run):
+    """``run(lo, hi)`` over ``[0, n)``: on the calling thread when ``n`` is
+    small, else in contiguous shares over the worker threads and the caller."""
+    workers, k = _pool()
+    if n < minimum or workers is None:
+        run(0, n)
+        return
+    bounds = [n * w // k for w in range(k + 1)]
+    jobs = [workers.submit(run, bounds[w], bounds[w + 1]) for w in range(1, k)]
+    run(bounds[0], bounds[1])
+    for job in jobs:
+        job.result()
 
 
 def _like(a, shape):
