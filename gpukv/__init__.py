@@ -10,7 +10,7 @@ reusable (``KVCacheManager.match_batch``).
 from .arena import TokenSequence
 from .backend import BackendError
 from .cache import KVCache, KVCacheStatus, LogicError
-from .config import Attention, CacheConfig, ConfigError, Ssm
+from .config import Attention, CacheConfig, ConfigError, Ssm, SwaScratchReuse
 from .hashing import gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
 from .manager import KVCacheManager
 from .matching import BatchMatch
@@ -33,6 +33,7 @@ __all__ = [
     "LogicError",
     "ReuseScope",
     "Ssm",
+    "SwaScratchReuse",
     "TokenError",
     "TokenSequence",
     "gen_multimodal_cache_key_tokens",

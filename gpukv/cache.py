@@ -36,6 +36,7 @@ from .kernels.seq import (
     SEQ_SETUP_REUSE,
     SEQ_STOP,
     SEQ_SUSPEND,
+    SCRATCH,
     SUSPENDED,
     USER_STOP,
     SeqTables,
@@ -88,6 +89,8 @@ class KVCache:
             out=xp.zeros(4, dtype=np.int64),
             counts=xp.zeros(max(L, 1), dtype=np.int64),
             scope_digest=self._backend.to_device(digest_to_int64x4(tree.scope_digest(sid))),
+            scratch=xp.full((max(L, 1), _scratch_width(mgr.config)), NULL, dtype=np.int64),
+            scratch_count=xp.zeros(max(L, 1), dtype=np.int64),
         )
         self._run = build_seq_kernel(self._backend.target)
         self._scalars = scalars  # host copy, refreshed after every launch
@@ -118,6 +121,19 @@ class KVCache:
         self._check_lc(life_cycle_id)
         rows = self._backend.to_host(self._q.pages[: int(self._scalars[Q_NUM_BLOCKS]), life_cycle_id])
         return self._pool_index(rows)
+
+    def scratch_blocks(self, life_cycle_id: int) -> np.ndarray:
+        """Ordinals whose pages are SWA scratch (shared slots, no page of their own)."""
+        self._check_lc(life_cycle_id)
+        kinds = self._backend.to_host(self._q.kinds[: int(self._scalars[Q_NUM_BLOCKS]), life_cycle_id])
+        return np.nonzero(kinds == SCRATCH)[0]
+
+    def scratch_page_indices(self, life_cycle_id: int) -> np.ndarray:
+        """Pool indices of the scratch slots held for this step; scratch block
+        ``o`` uses slot ``o % len(slots)``."""
+        self._check_lc(life_cycle_id)
+        n = int(self._backend.to_host(self._q.scratch_count)[life_cycle_id])
+        return self._pool_index(self._backend.to_host(self._q.scratch[life_cycle_id, :n]))
 
     def ssm_page_index(self) -> int:
         """The live SSM page's pool index, -1 for none."""
@@ -150,6 +166,15 @@ class KVCache:
             raise ValueError(f"history_length cannot decrease ({hist} < {self.history_length})")
         if cap < hist:
             raise ValueError(f"capacity {cap} is below history_length {hist}")
+        scratch = self._mgr.config.swa_scratch_reuse
+        if scratch is not None and cap != self.capacity:
+            if not self.capacity - scratch.max_rewind_len <= hist <= self.capacity:
+                raise ValueError(
+                    f"with swa_scratch_reuse a capacity change needs capacity - max_rewind_len <= history_length "
+                    f"<= capacity (the old capacity {self.capacity}), got history_length {hist}"
+                )
+            if cap < self.capacity and self._backend.to_host(self._q.scratch_count).any():
+                raise ValueError("cannot shrink the capacity while scratch slots are held (suspend first)")
         self._reserve(-(-cap // self._T))
         return self._launch(SEQ_RESIZE, cap, hist)
 
@@ -302,6 +327,12 @@ class PlannedDrop:
             mgr._tables.pages[p, PAGE_PLANNED_DROPS] -= 1
             if row[PAGE_PLANNED_DROPS] == 1 and row[PAGE_HOLDERS] == 0:
                 mgr._tree.page_death(p)
+
+
+def _scratch_width(config) -> int:
+    """Scratch slots a life cycle may hold at once: one window of blocks."""
+    T = config.tokens_per_block
+    return max([1] + [-(-(lc.window - 1) // T) for lc in config.life_cycles if lc.kind == KIND_SWA])
 
 
 def _int(name, v) -> int:

@@ -54,6 +54,20 @@ LayerSpec = Union[Attention, Ssm]
 
 
 @dataclass(frozen=True)
+class SwaScratchReuse:
+    """SWA prefill memory reuse (§1.5 scratch range): input blocks that will be
+    out of the window by the end of the step get no page of their own and
+    share a few scratch slots; ``max_rewind_len`` tokens at the end stay real
+    pages so a speculative rewind keeps its KV."""
+
+    max_rewind_len: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.max_rewind_len, int) or isinstance(self.max_rewind_len, bool) or self.max_rewind_len < 0:
+            raise ConfigError(f"SwaScratchReuse.max_rewind_len must be a non-negative int, got {self.max_rewind_len!r}")
+
+
+@dataclass(frozen=True)
 class LifeCycle:
     """The reuse rule of one life cycle, as stored in the kernels' tables."""
 
@@ -98,6 +112,7 @@ class CacheConfig:
     max_kv_event_entries: int = 0
     backend: str = "auto"
     host_pages_per_life_cycle: int | Sequence[int] = 0
+    swa_scratch_reuse: SwaScratchReuse | None = None
 
     def __post_init__(self):
         if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__iter__"):
@@ -133,6 +148,8 @@ class CacheConfig:
         for name in ("enable_partial_reuse", "commit_min_snapshot"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.swa_scratch_reuse is not None and not isinstance(self.swa_scratch_reuse, SwaScratchReuse):
+            raise ConfigError(f"swa_scratch_reuse must be None or gpukv.SwaScratchReuse, got {self.swa_scratch_reuse!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.ssm_life_cycle_id is not None and not self.commit_min_snapshot:

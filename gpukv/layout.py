@@ -144,4 +144,5 @@ LOG_WIDTH = LOG.width
 
 # Manager-wide switches the kernels read (DeviceTables.policy).
 POLICY_COMMIT_MIN_SNAPSHOT = 0
-POLICY_WIDTH = 1
+POLICY_SCRATCH_REWIND = 1  # swa_scratch_reuse.max_rewind_len, -1 when off
+POLICY_WIDTH = 2

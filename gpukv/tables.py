@@ -45,6 +45,7 @@ from .layout import (
     PAGE_FREE,
     PAGES,
     POLICY_COMMIT_MIN_SNAPSHOT,
+    POLICY_SCRATCH_REWIND,
     POLICY_WIDTH,
     SLOTS,
 )
@@ -136,6 +137,8 @@ class Tables:
         self.work = xp.zeros(SHA256_WORK_WORDS, dtype=np.uint32)
         policy = np.zeros(POLICY_WIDTH, dtype=np.int64)
         policy[POLICY_COMMIT_MIN_SNAPSHOT] = int(config.commit_min_snapshot)
+        scratch = config.swa_scratch_reuse
+        policy[POLICY_SCRATCH_REWIND] = -1 if scratch is None else scratch.max_rewind_len
         self.policy = backend.to_device(policy)
 
     # -- views ------------------------------------------------------------------

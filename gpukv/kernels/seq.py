@@ -22,6 +22,7 @@ from ..backend import bind_globals, device_jit
 from ..config import KIND_FULL, KIND_SSM, KIND_SWA
 from ..layout import (
     POLICY_COMMIT_MIN_SNAPSHOT,
+    POLICY_SCRATCH_REWIND,
     BLK_FLAGS,
     BLK_NUM_TOKENS,
     BLK_ORDINAL,
@@ -40,9 +41,10 @@ from ..layout import (
 )
 from .tree import NUM_LEVELS, build_tree
 
-# How a sequence refers to a page.
+# How a sequence refers to a page (SeqTables.kinds).
 HOLD = 1
 LOCK = 2
+SCRATCH = 3  # an SWA scratch block: no page of its own (the page column stays NULL)
 
 # Statuses and commit states.
 SUSPENDED = 0
@@ -93,6 +95,8 @@ SeqTables = namedtuple(
         "out",  # int64 [4]: scratch for tree calls
         "counts",  # int64 [L]: scratch for all-or-nothing allocation checks
         "scope_digest",  # int64 [4]: the SHA-256 key of the sequence's root
+        "scratch",  # int64 [L, k]: SWA scratch slots (locked uncommitted pages) shared by scratch blocks
+        "scratch_count",  # int64 [L]
     ],
 )
 
@@ -134,6 +138,26 @@ def build_seq(target: str):
     @jit
     def is_stale(S, lc, h, o):
         return stale_start(S, lc, h) <= o < stale_end(S, lc, h)
+
+    @jit
+    def scratch_range(S, lc, cap, h):
+        """§1.5 scratch range: the stale range at ``max(0, cap - R)`` within the
+        input blocks ``[ceil(h/T), ceil(cap/T))``; empty unless scratch reuse
+        is on and ``lc`` is SWA."""
+        T = S.tokens.shape[1]
+        R = S.policy[POLICY_SCRATCH_REWIND]
+        if R < 0 or S.lc_kind[lc] != KIND_SWA:
+            return 0, 0
+        at = max(0, cap - R)
+        lo = max(stale_start(S, lc, at), (h + T - 1) // T)
+        hi = min(stale_end(S, lc, at), (cap + T - 1) // T)
+        return lo, max(lo, hi)
+
+    @jit
+    def scratch_slots_needed(S, lc, blocks):
+        """Scratch blocks share slots: enough for one window of blocks."""
+        T = S.tokens.shape[1]
+        return min(blocks, (S.lc_window[lc] - 1 + T - 1) // T) if blocks > 0 else 0
 
     # -- holding pages (§2.8) -----------------------------------------------------------
     @jit
@@ -349,9 +373,22 @@ def build_seq(target: str):
             drop_entry(S, Q, o, L - 1 - k)
 
     @call
+    def release_scratch(S, Q):
+        """Scratch slots live for one step: suspend and close give them back."""
+        L = S.lc_kind.shape[0]
+        for lc in range(L):
+            for k in range(Q.scratch_count[lc]):
+                release(S, Q.scratch[lc, k], LOCK)
+            Q.scratch_count[lc] = 0
+            for o in range(Q.scalars[Q_NUM_BLOCKS]):  # former scratch blocks are just page-less now
+                if Q.kinds[o, lc] == SCRATCH:
+                    Q.kinds[o, lc] = 0
+
+    @call
     def resize(S, Q, cap, h):
         """New blocks get a fresh page per non-SSM life cycle outside its stale
-        range at the new history; shrinking drops tail blocks (a rewind).
+        range at the new history and outside its scratch range (whose blocks
+        share scratch slots instead); shrinking drops tail blocks (a rewind).
         All or nothing: refused, with no change, when a pool is short."""
         T = S.tokens.shape[1]
         L = S.lc_kind.shape[0]
@@ -361,9 +398,14 @@ def build_seq(target: str):
             Q.counts[lc] = 0
             if S.lc_kind[lc] == KIND_SSM:
                 continue
+            lo, hi = scratch_range(S, lc, cap, h)
+            scratch = 0
             for o in range(old_nb, new_nb):
-                if not is_stale(S, lc, h, o):
+                if lo <= o < hi:
+                    scratch += 1
+                elif not is_stale(S, lc, h, o):
                     Q.counts[lc] += 1
+            Q.counts[lc] += max(0, scratch_slots_needed(S, lc, scratch) - Q.scratch_count[lc])
             if free_count(S, lc) < Q.counts[lc]:
                 Q.scalars[Q_RESULT] = 0
                 return
@@ -372,14 +414,26 @@ def build_seq(target: str):
         while o > new_nb:
             o -= 1
             drop_block(S, Q, o)
-        for o in range(old_nb, new_nb):
-            Q.tree[o] = NULL
-            for lc in range(L):
+        for lc in range(L):
+            if S.lc_kind[lc] == KIND_SSM:
+                continue
+            lo, hi = scratch_range(S, lc, cap, h)
+            scratch = 0
+            for o in range(old_nb, new_nb):
+                Q.tree[o] = NULL
                 set_entry(Q, o, lc, NULL, 0)
-                if S.lc_kind[lc] != KIND_SSM and not is_stale(S, lc, h, o):
+                if lo <= o < hi:
+                    Q.kinds[o, lc] = SCRATCH
+                    scratch += 1
+                elif not is_stale(S, lc, h, o):
                     p = new_page(S, lc, PAGE_UNCOMMITTED)
                     hold(S, p, LOCK)
                     set_entry(Q, o, lc, p, LOCK)
+            while Q.scratch_count[lc] < scratch_slots_needed(S, lc, scratch):
+                p = new_page(S, lc, PAGE_UNCOMMITTED)
+                hold(S, p, LOCK)
+                Q.scratch[lc, Q.scratch_count[lc]] = p
+                Q.scratch_count[lc] += 1
         Q.scalars[Q_NUM_BLOCKS] = new_nb
         Q.scalars[Q_CAPACITY] = cap
         Q.scalars[Q_HISTORY] = h
@@ -597,6 +651,7 @@ def build_seq(target: str):
     @call
     def close(S, Q, out):
         stop_committing(S, Q, out)
+        release_scratch(S, Q)
         o = Q.scalars[Q_NUM_BLOCKS]
         while o > 0:
             o -= 1
@@ -621,6 +676,7 @@ def build_seq(target: str):
             resume(S, Q)
         elif op == SEQ_SUSPEND:
             Q.scalars[Q_STATUS] = SUSPENDED
+            release_scratch(S, Q)
             set_all_kinds(S, Q, HOLD)
         elif op == SEQ_RESIZE:
             resize(S, Q, Q.args[0], Q.args[1])
