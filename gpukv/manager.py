@@ -82,6 +82,7 @@ class KVCacheManager:
         self._matcher = Matcher(self._tables, self._tree, self._arena, config)
         self._open_caches: set[KVCache] = set()
         self._stats = ReuseStats()
+        self._copies = [0] * len(config.life_cycles)
         # Real page memory: one [pages, page_bytes] byte array per life cycle's GPU pool.
         self._page_memory = [
             self._backend.xp.zeros((n, config.page_bytes), dtype=np.uint8) if config.page_bytes else None
@@ -169,12 +170,27 @@ class KVCacheManager:
     def _copy_pages(self, copies):
         """Carry out the page copies a kernel recorded, in order: (life cycle,
         source page row, destination page row)."""
-        if not len(copies) or not self.config.page_bytes:
+        if not len(copies):
+            return
+        for lc in copies[:, 0]:
+            self._copies[int(lc)] += 1
+        if not self.config.page_bytes:
             return
         pool_index = self._backend.to_host(self._tables.pages[:, PAGE_POOL_INDEX])
         for lc, src, dst in copies:  # at most a few per call, one device copy each
             mem = self._page_memory[lc]
             mem[pool_index[dst]] = mem[pool_index[src]]
+
+    def get_and_reset_iteration_stats(self) -> dict:
+        """Per life cycle, the page copies made on the device since the last
+        call (private tail copies, snapshots): ``{lc: {"iter_intra_device_copy_blocks",
+        "iter_intra_device_copy_bytes"}}`` for life cycles that copied."""
+        out = {
+            lc: {"iter_intra_device_copy_blocks": n, "iter_intra_device_copy_bytes": n * self.config.page_bytes}
+            for lc, n in enumerate(self._copies) if n
+        }
+        self._copies = [0] * len(self._copies)
+        return out
 
     # -- maintenance -----------------------------------------------------------------------
     def _refuse_while_open(self, what: str):
