@@ -25,6 +25,7 @@ import numpy as np
 from ..backend import bind_globals, device_jit
 from ..config import KIND_SSM, KIND_SWA
 from ..layout import BLK_FIRST_NEXT, BLK_FLAGS, BLK_KEY, BLK_NUM_TOKENS, BLK_PARENT, BLK_SERIAL, FLAG_ATTACHED, NULL
+from .prefetch import build_prefetch
 from .tree import build_tree
 
 RES_NUM_TOKENS = 0
@@ -60,6 +61,8 @@ def build_match(target: str) -> SimpleNamespace:
     coverage = t.coverage
     find_root = t.find_root
     sibling_hash = t.keys.sibling_hash
+    hints = build_prefetch(target)
+    prefetch1, prefetch2 = hints.prefetch1, hints.prefetch2
 
     @jit
     def common_prefix(S, r, toks, start, n):
@@ -92,23 +95,46 @@ def build_match(target: str) -> SimpleNamespace:
         out[1] = best_n
 
     @jit
+    def block_hash(toks, start, n_tok, hashes, hash_base, j, T):
+        """Content hash of block ``j`` of a request: cached, or computed now."""
+        n = min(T, n_tok - j * T)
+        if n == T and hash_base >= 0:
+            return np.uint64(hashes[hash_base + j])
+        return content_hash(toks, start + j * T, n)
+
+    @jit
     def walk(S, node, count, toks, start, n_tok, hashes, hash_base, partial, path, base, tmp):
         """§2.3: extend the raw path in ``path[base:]``, whose first ``count``
         entries are already matched full blocks ending at ``node`` (the root
-        when ``count`` is 0); returns (blocks, last n)."""
+        when ``count`` is 0); returns (blocks, last n).
+
+        Keys follow from the hashes alone, so the walk runs ahead: while it
+        verifies block j it prefetches the row of block j+1's bucket head and
+        the bucket of block j+2 (their misses overlap instead of queueing)."""
         T = S.tokens.shape[1]
+        mask = S.buckets.shape[0] - 1
+        nblocks = (n_tok + T - 1) // T
         last_n = T if count > 0 else 0
-        # The next key comes from this one, not from the matched row: the CPU
-        # can start the next lookup while this hit's tokens are still compared.
-        key = S.blocks[node, BLK_KEY] if node != NULL else 0
         j = count
-        while node != NULL and j * T < n_tok:
+        if node == NULL or j >= nblocks:
+            return count, last_n
+        key = combine(S.blocks[node, BLK_KEY], block_hash(toks, start, n_tok, hashes, hash_base, j, T))
+        ahead = key
+        if j + 1 < nblocks:
+            ahead = combine(key, block_hash(toks, start, n_tok, hashes, hash_base, j + 1, T))
+            prefetch1(S.buckets, ahead & mask)
+        while True:
             n = min(T, n_tok - j * T)
-            if n == T and hash_base >= 0:
-                h = np.uint64(hashes[hash_base + j])
+            if j + 2 < nblocks:
+                further = combine(ahead, block_hash(toks, start, n_tok, hashes, hash_base, j + 2, T))
+                prefetch1(S.buckets, further & mask)
             else:
-                h = content_hash(toks, start + j * T, n)
-            key = combine(key, h)
+                further = ahead
+            if j + 1 < nblocks:
+                c = S.buckets[ahead & mask]
+                if c != NULL:
+                    prefetch2(S.blocks, c, 0)
+                    prefetch2(S.tokens, c, 0)
             r = find_child(S, node, key, toks, start + j * T, n)
             if r != NULL:
                 path[base + count] = r
@@ -116,6 +142,10 @@ def build_match(target: str) -> SimpleNamespace:
                 last_n = n
                 node = r
                 j += 1
+                if j >= nblocks:
+                    return count, last_n
+                key = ahead
+                ahead = further
                 continue
             if partial:
                 best_partial_child(S, node, toks, start + j * T, n, tmp)
@@ -123,8 +153,7 @@ def build_match(target: str) -> SimpleNamespace:
                     path[base + count] = tmp[0]
                     count += 1
                     last_n = tmp[1]
-            break
-        return count, last_n
+            return count, last_n
 
     @jit
     def recall(S, B, i, hash_base, base):
