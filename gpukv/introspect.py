@@ -36,7 +36,6 @@ from .layout import (
     PAGE_LIFE_CYCLE,
     PAGE_STATE,
     PAGES,
-    SLOT_COVERAGE,
     SLOT_PAGE,
     SLOTS,
 )
@@ -124,7 +123,7 @@ def check_sanity(mgr):
 
     Raises AssertionError naming the broken invariant."""
     t = tables(mgr)
-    blocks, toks, slots, pages = t["blocks"], t["tokens"], t["slots"], t["pages"]
+    toks, slots, pages = t["tokens"], t["slots"], t["pages"]
     raw = mgr._backend.to_host(mgr._tables.blocks)
     T = mgr.config.tokens_per_block
     L = len(mgr.config.life_cycles)

@@ -19,9 +19,9 @@ from gpukv.layout import FLAG_ROOT
 from gpukv.tree import BlockRef
 
 try:  # works whether or not tests/ is a package
-    from tests.conftest import GPU_BACKEND, make_manager
+    from tests.conftest import make_manager
 except ImportError:  # pragma: no cover
-    from conftest import GPU_BACKEND, make_manager
+    from conftest import make_manager
 
 
 # ---------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def test_full_attention_clamps_inside_a_block_or_cuts_at_its_start(backend):
     mgr = make_manager(backend, tokens_per_block=4, layers=F_ONLY)
     a = introspect.make_test_block(mgr, B0, [4])
     clamp = introspect.make_test_block(mgr, B1, [2], parent=a)  # F2 on a full block
-    cut = introspect.make_test_block(mgr, [5, 6, 0, 0], [0], parent=a)  # a full block with no F page
+    introspect.make_test_block(mgr, [5, 6, 0, 0], [0], parent=a)  # a full block with no F page
     introspect.make_test_block(mgr, B2, [4], parent=clamp)
 
     m = check_batch(

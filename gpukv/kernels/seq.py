@@ -16,19 +16,16 @@ from __future__ import annotations
 import functools
 from collections import namedtuple
 
-import numpy as np
 
 from ..backend import bind_globals, device_jit
-from ..config import KIND_FULL, KIND_SSM, KIND_SWA
+from ..config import KIND_SSM, KIND_SWA
 from ..layout import (
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_SCRATCH_REWIND,
-    BLK_FLAGS,
     BLK_NUM_TOKENS,
     BLK_ORDINAL,
     BLK_REFS,
     CNT_TICK,
-    FLAG_ATTACHED,
     NULL,
     PAGE_BLOCK,
     PAGE_COVERAGE,

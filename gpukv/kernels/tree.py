@@ -69,7 +69,6 @@ from ..layout import (
     PAGE_LIFE_CYCLE,
     PAGE_LOCKS,
     PAGE_PLANNED_DROPS,
-    PAGE_POOL_INDEX,
     PAGE_PRIORITY,
     PAGE_SERIAL,
     PAGE_STATE,
