@@ -6,67 +6,19 @@ answers reuse queries for whole batches with one kernel launch per stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from .arena import TokenArena, TokenSequence
-from .cache import KVCache, LogicError
-from .layout import PAGE_POOL_INDEX
-from .tokens import token_array
 from .backend import get_backend, quiet_simulator
+from .cache import KVCache, LogicError
 from .config import CacheConfig
+from .layout import PAGE_POOL_INDEX
 from .matching import BatchMatch, Matcher
+from .scope import as_scope
+from .stats import ReuseStats
 from .tables import Tables
+from .tokens import token_array
 from .tree import BlockTree
-
-
-@dataclass
-class ReuseStats:
-    lookups: int = 0
-    lookup_tokens: int = 0
-    reused_tokens: int = 0
-    full_block_reuses: int = 0  # reuse ends on a block boundary
-    partial_block_reuses: int = 0  # reuse ends inside a block (a rewind endpoint)
-    ssm_lookups: int = 0
-    ssm_hits: int = 0
-    ssm_misses: int = 0
-    ssm_reused_tokens: int = 0
-    ssm_unreused_tokens: int = 0
-    ssm_aligned_hits: int = 0
-    ssm_unaligned_hits: int = 0
-
-    def record(self, looked_up: int, reused: int, T: int, has_ssm: bool):
-        self.lookups += 1
-        self.lookup_tokens += looked_up
-        self.reused_tokens += reused
-        if reused:
-            if reused % T:
-                self.partial_block_reuses += 1
-            else:
-                self.full_block_reuses += 1
-        if has_ssm:
-            self.ssm_lookups += 1
-            self.ssm_reused_tokens += reused
-            self.ssm_unreused_tokens += looked_up - reused
-            if reused:
-                self.ssm_hits += 1
-                if reused % T:
-                    self.ssm_unaligned_hits += 1
-                else:
-                    self.ssm_aligned_hits += 1
-            else:
-                self.ssm_misses += 1
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    def ssm_dict(self) -> dict:
-        if not self.ssm_lookups:
-            return {}
-        d = {k[4:]: v for k, v in self.__dict__.items() if k.startswith("ssm_")}
-        d["hit_rate"] = self.ssm_hits / self.ssm_lookups
-        return d
 
 
 class KVCacheManager:
@@ -120,7 +72,7 @@ class KVCacheManager:
 
     def probe_reuse(self, tokens, scope=None) -> int:
         """The reusable prefix length of one token sequence; holds nothing."""
-        m = self._matcher.match([tokens], scope)
+        m = self._matcher.match([tokens], as_scope(scope))
         return int(self._backend.to_host(m.num_tokens)[0])
 
     def token_sequence(self, tokens=None) -> TokenSequence:

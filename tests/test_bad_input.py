@@ -227,7 +227,7 @@ def test_scopes_of_the_wrong_type_or_length():
         mgr.match_batch(two, [ReuseScope(salt=1), 3])
     with rejected(mgr, TypeError, r"request 0: scope must be a gpukv\.ReuseScope or None, got tuple"):
         mgr.match_batch(two, [(7, 11), None])
-    with rejected(mgr, TypeError, r"scopes must be None, one gpukv\.ReuseScope, or one per request"):
+    with rejected(mgr, TypeError, r"scope must be a gpukv\.ReuseScope or None, got int"):
         mgr.probe_reuse([1, 2], scope=7)
     with rejected(mgr, TypeError, r"scope must be a gpukv\.ReuseScope or None, got int"):
         introspect.make_test_block(mgr, [9, 9], [2, 2], scope=7)
