@@ -154,3 +154,21 @@ def test_M3_first_resume_of_a_reused_ssm_cache_records_one_copy():
     assert stats[ssm]["iter_intra_device_copy_bytes"] > 0
     assert 0 not in stats  # the reused prefix is whole blocks: no attention tail to copy
     kv.close()
+
+
+def test_a_snapshot_copy_that_finds_no_page_is_skipped_and_the_older_snapshot_stays():
+    mgr = make_manager("cpu", tokens_per_block=4, layers=[gpukv.Attention()], commit_min_snapshot=True,
+                       pages_per_life_cycle=3)
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(8, 0)  # 2 of the 3 pages
+    kv.commit([0, 1])  # the partial snapshot copies into the last free page: B0/2 {F2}
+    n, pages = introspect.reuse_match_pages(mgr, [0, 1], 0)
+    assert n == 2 and pages[0][1] == 2
+    kv.commit([2])  # B0/3 adopts B0/2's page; its own copy finds no free page and is skipped
+    assert kv.num_committed_tokens == 3
+    n, pages = introspect.reuse_match_pages(mgr, [0, 1, 2], 0, enable_partial=True)
+    assert n == 2 and pages[0][1] == 2  # the narrower snapshot survived on the longer block
+    assert mgr.probe_reuse([0, 1, 2, 3]) == 2
+    introspect.check_sanity(mgr)
+    kv.close()
+    introspect.check_sanity(mgr)
