@@ -11,10 +11,12 @@ import hashlib
 
 import numpy as np
 
+from .kernels.keys import sibling_hash_np
 from .kernels.sha256 import int64x4_to_digest
 from .layout import (
     BLK_DIGEST,
     BLK_FIRST_CHILD,
+    BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
     BLK_KEY,
@@ -119,7 +121,8 @@ def reuse_match_pages(mgr, tokens, life_cycle_id, scope=None, enable_partial=Fal
 
 # -- sanity ---------------------------------------------------------------------------------
 def check_sanity(mgr):
-    """Verify the tree and slot invariants of semantics.md §3 (1-7, 10).
+    """Verify the tree and slot invariants of semantics.md §3 (1-7, 10) and
+    the consistency of both indexes (child keys, siblings by first token).
 
     Raises AssertionError naming the broken invariant."""
     t = tables(mgr)
@@ -143,9 +146,23 @@ def check_sanity(mgr):
                 fail(2, f"row {r} is chained in bucket {b} but its key belongs elsewhere")
             indexed.add(int(r))
             r = raw[r, BLK_HASH_NEXT]
+    # The sibling index holds exactly the attached non-root blocks, each in the
+    # bucket of (its parent row, its first token).
+    siblings = set()
+    heads = mgr._backend.to_host(mgr._tables.sibling_buckets)
+    for b in range(heads.size):
+        r = heads[b]
+        while r != NULL:
+            want = sibling_hash_np(np.array([raw[r, BLK_PARENT]]), np.array([toks[r, 0]]))[0] & np.uint64(heads.size - 1)
+            if want != b:
+                fail(4, f"row {r} is in sibling bucket {b} but its (parent, first token) belongs in {want}")
+            siblings.add(int(r))
+            r = raw[r, BLK_FIRST_NEXT]
     for r in in_use:
         flags = raw[r, BLK_FLAGS]
         attached = bool(flags & FLAG_ATTACHED)
+        if bool(attached and not flags & FLAG_ROOT) != (int(r) in siblings):
+            fail(4, f"row {r}: attached non-root={bool(attached and not flags & FLAG_ROOT)} but in the sibling index={int(r) in siblings}")
         if attached != (int(r) in indexed):
             fail(5 if not attached else 2, f"row {r}: attached={attached} but indexed={int(r) in indexed}")
         if flags & FLAG_ROOT:
