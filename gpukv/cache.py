@@ -221,9 +221,7 @@ class KVCache:
         (§2.9): the SWA window at the endpoint and the last SSM checkpoint, never
         full attention. None when nothing was committed or the committed tokens
         no longer match back to their full length. Needs stop_committing()."""
-        if self.status is KVCacheStatus.CLOSED:
-            raise LogicError("plan_committed_block_drop() on a closed KV cache")
-        if int(self._scalars[Q_COMMIT_STATE]) != USER_STOP:
+        if int(self._scalars[Q_COMMIT_STATE]) != USER_STOP:  # a closed cache has stopped too
             raise LogicError("plan_committed_block_drop() needs stop_committing() first")
         N = self.num_committed_tokens
         if N == 0:
