@@ -23,8 +23,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..backend import bind_globals, device_jit
-from ..config import KIND_SSM, KIND_SWA
+from ..config import KIND_SSM
 from ..layout import BLK_FIRST_NEXT, BLK_FLAGS, BLK_KEY, BLK_NUM_TOKENS, BLK_PARENT, BLK_SERIAL, FLAG_ATTACHED, NULL
+from .lifecycle import build_lifecycle
 from .prefetch import build_prefetch
 from .tree import build_tree
 
@@ -61,6 +62,8 @@ def build_match(target: str) -> SimpleNamespace:
     coverage = t.coverage
     find_root = t.find_root
     sibling_hash = t.keys.sibling_hash
+    lifecycle = build_lifecycle(jit)
+    stale_start, stale_end = lifecycle.stale_start, lifecycle.stale_end
     hints = build_prefetch(target)
     prefetch1, prefetch2 = hints.prefetch1, hints.prefetch2
 
@@ -217,13 +220,9 @@ def build_match(target: str) -> SimpleNamespace:
                 kind = S.lc_kind[lc]
                 if kind == KIND_SSM:
                     continue
-                # Stale range at the candidate endpoint (§1.5, with its +1).
-                sb = min(count, S.lc_sinks[lc])
-                se = sb
-                if kind == KIND_SWA:
-                    first_live = ntok + 1 - S.lc_window[lc]
-                    if first_live > 0:
-                        se = max(sb, first_live // T)
+                # The stale range at the candidate endpoint, recomputed after every clamp.
+                sb = stale_start(S, lc, ntok)
+                se = stale_end(S, lc, ntok)
                 k = 0
                 while k < count:
                     if k >= sb and k < se:

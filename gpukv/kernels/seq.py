@@ -36,6 +36,7 @@ from ..layout import (
     PAGE_UNCOMMITTED,
     PAGE_COMMITTED,
 )
+from .lifecycle import build_lifecycle
 from .tree import NUM_LEVELS, build_tree
 
 # How a sequence refers to a page (SeqTables.kinds).
@@ -116,25 +117,8 @@ def build_seq(target: str):
     get_or_create_root = t.get_or_create_root
     adopt_pages_from = t.adopt_pages_from
 
-    # -- stale ranges (§1.5) ----------------------------------------------------------
-    @jit
-    def stale_start(S, lc, h):
-        T = S.tokens.shape[1]
-        return min((h + T - 1) // T, S.lc_sinks[lc])
-
-    @jit
-    def stale_end(S, lc, h):
-        """End of the stale range; equal to ``stale_start`` when nothing is stale."""
-        T = S.tokens.shape[1]
-        s = stale_start(S, lc, h)
-        if S.lc_kind[lc] != KIND_SWA:
-            return s
-        first_live = h + 1 - S.lc_window[lc]
-        return max(s, first_live // T) if first_live > 0 else s
-
-    @jit
-    def is_stale(S, lc, h, o):
-        return stale_start(S, lc, h) <= o < stale_end(S, lc, h)
+    lifecycle = build_lifecycle(jit)  # stale ranges (§1.5)
+    stale_start, stale_end, is_stale = lifecycle.stale_start, lifecycle.stale_end, lifecycle.is_stale
 
     @jit
     def scratch_range(S, lc, cap, h):
