@@ -140,10 +140,9 @@ class KVCache:
         return int(self._pool_index(np.array([self._scalars[Q_SSM_PAGE]]))[0])
 
     def _pool_index(self, rows) -> np.ndarray:
-        pages = self._backend.to_host(self._mgr._tables.pages)
         out = np.full(len(rows), -1, dtype=np.int32)
         have = rows != NULL
-        out[have] = pages[rows[have], PAGE_POOL_INDEX]
+        out[have] = self._mgr._tables.page_fields(rows[have], PAGE_POOL_INDEX)
         return out
 
     # -- calls --------------------------------------------------------------------------
@@ -234,13 +233,13 @@ class KVCache:
             return None
         E = len(blocks)
         L = len(mgr.config.life_cycles)
-        slots = self._backend.to_host(mgr._tables.slots)
+        b = self._backend
         picked = []
         for lc, life in enumerate(mgr.config.life_cycles):
             if life.kind == KIND_FULL:
                 continue  # later turns may still need full-attention blocks
             start = min(life.stale_range(N, self._T)[1], E) if life.kind == KIND_SWA else E - 1
-            pages = slots[blocks[start:] * L + lc, 0]
+            pages = b.to_host(mgr._tables.slots[b.to_device(blocks[start:] * L + lc), 0])
             if (pages == NULL).any():
                 return None
             picked.extend(int(p) for p in pages)
@@ -307,8 +306,7 @@ class PlannedDrop:
 
     def __init__(self, mgr, pages: list[int]):
         self._mgr = mgr
-        table = mgr._backend.to_host(mgr._tables.pages)
-        self._pages = [(p, int(table[p, PAGE_SERIAL])) for p in pages]
+        self._pages = list(zip(pages, mgr._tables.page_fields(pages, PAGE_SERIAL).tolist()))
         for p in pages:
             mgr._tables.pages[p, PAGE_PLANNED_DROPS] += 1
         self.dropped = False

@@ -261,10 +261,9 @@ def _check_monotone_coverage(mgr, slots, raw, in_use, L):
 
 
 def _scope_of(tree, sid):
-    for scope, i in tree._scope_ids.items():
-        if i == sid:
-            return scope
-    raise AssertionError(f"invariant 1 broken: root has unknown scope id {sid}")
+    if not 0 <= sid < len(tree._scopes):
+        raise AssertionError(f"invariant 1 broken: root has unknown scope id {sid}")
+    return tree.scope_of(sid)
 
 
 def _encode(mgr, tokens) -> bytes:

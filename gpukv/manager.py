@@ -128,10 +128,11 @@ class KVCacheManager:
             self._copies[int(lc)] += 1
         if not self.config.page_bytes:
             return
-        pool_index = self._backend.to_host(self._tables.pages[:, PAGE_POOL_INDEX])
-        for lc, src, dst in copies:  # at most a few per call, one device copy each
+        src = self._tables.page_fields(copies[:, 1], PAGE_POOL_INDEX)
+        dst = self._tables.page_fields(copies[:, 2], PAGE_POOL_INDEX)
+        for k, lc in enumerate(copies[:, 0]):  # at most a few per call, one device copy each
             mem = self._page_memory[lc]
-            mem[pool_index[dst]] = mem[pool_index[src]]
+            mem[dst[k]] = mem[src[k]]
 
     def get_and_reset_iteration_stats(self) -> dict:
         """Per life cycle, the page copies made on the device since the last

@@ -218,6 +218,14 @@ class Tables:
             heads[b[first]] = rows[first]
         return heads
 
+    def page_fields(self, rows, column: int) -> np.ndarray:
+        """One column of the given page rows, as a host array; only those rows
+        leave the device."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.array(self.backend.to_host(self.pages[self.backend.to_device(rows), column]))
+
     # -- multimodal digests -----------------------------------------------------
     def intern_digest(self, digest: bytes) -> int:
         """The token id standing for a 32-byte multimodal digest (negative)."""

@@ -67,6 +67,7 @@ class BlockTree:
         self.backend = tables.backend
         self._run = build_tree_kernel(self.backend.target)
         self._scope_ids: dict[ReuseScope, int] = {}
+        self._scopes: list[ReuseScope] = []  # by id
         self._scope_keys: list[int] = []
         self._scope_digests: list[np.ndarray] = []
         self.log_sink: list | None = None  # tests collect the change log here
@@ -82,16 +83,14 @@ class BlockTree:
             self._scope_keys.append(root_key64(raw))
             self._scope_digests.append(digest_to_int64x4(hashlib.sha256(raw).digest()))
             self._scope_ids[scope] = sid
+            self._scopes.append(scope)
         return -1 if sid is None else sid
 
     def scope_key(self, sid: int) -> int:
         return self._scope_keys[sid]
 
     def scope_of(self, sid: int) -> ReuseScope:
-        for scope, i in self._scope_ids.items():
-            if i == sid:
-                return scope
-        raise KeyError(sid)
+        return self._scopes[sid]
 
     def scope_digest(self, sid: int) -> bytes:
         return int64x4_to_digest(self._scope_digests[sid])
