@@ -19,6 +19,7 @@ from .backend import BACKENDS
 KIND_FULL = 0  # full attention: every block up to the endpoint must be covered
 KIND_SWA = 1  # sliding-window attention: only sink and in-window blocks
 KIND_SSM = 2  # recurrent state: the endpoint must be exactly a checkpoint
+EVENT_HASHES = ("sha256", "sha256_64")  # block-hash formats of KV cache events
 
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -113,6 +114,7 @@ class CacheConfig:
     backend: str = "auto"
     host_pages_per_life_cycle: int | Sequence[int] = 0
     swa_scratch_reuse: SwaScratchReuse | None = None
+    event_hash: str = "sha256"  # block hashes in events: "sha256" (hex) or "sha256_64" (unsigned int)
 
     def __post_init__(self):
         if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__iter__"):
@@ -150,6 +152,8 @@ class CacheConfig:
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.swa_scratch_reuse is not None and not isinstance(self.swa_scratch_reuse, SwaScratchReuse):
             raise ConfigError(f"swa_scratch_reuse must be None or gpukv.SwaScratchReuse, got {self.swa_scratch_reuse!r}")
+        if self.event_hash not in EVENT_HASHES:
+            raise ConfigError(f"event_hash must be one of {EVENT_HASHES}, got {self.event_hash!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.ssm_life_cycle_id is not None and not self.commit_min_snapshot:

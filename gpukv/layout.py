@@ -94,17 +94,37 @@ PAGE_FREE = 0
 PAGE_UNCOMMITTED = 1
 PAGE_COMMITTED = 2
 
-# The tree's change log, drained by the host after each operation (events,
-# orphan bookkeeping). Digests are copied in so a record outlives its row.
+# The tree's change log, drained by the host after each launch: the raw
+# material of KV cache events (``events.py``) and of tests that watch the tree.
+# Digests are copied in so a record outlives its row.
 LOG = Layout(
     "log",
     np.int64,
-    [("kind", 1), ("life_cycle", 1), ("block", 1), ("digest", 4)],
+    [
+        ("kind", 1),  # EV_* below
+        ("life_cycle", 1),
+        ("block", 1),
+        ("digest", 4),  # the block's SHA-256 chain key
+        ("parent_digest", 4),  # EV_STORED_*: the parent's key ...
+        ("parent_is_root", 1),  # ... and whether the parent is a scope root
+        ("num_tokens", 1),  # EV_STORED_*: the block's token count
+        ("tokens_at", 1),  # EV_STORED_*: the row of ``log_tokens`` holding its tokens
+        ("covers", 1),  # EV_PAGE_INFO: 1 when the page covers the whole block
+        ("level", 1),  # EV_PAGE_INFO, EV_UPDATED: the page's cache level (new level)
+        ("old_level", 1),  # EV_UPDATED: the level it left
+        ("priority", 1),  # EV_PAGE_INFO, EV_UPDATED
+    ],
 )
 EV_REMOVED = 1  # a block left the tree (detached)
 EV_REMOVED_LIFE_CYCLE = 2  # one life cycle's page of a block died
-EV_STORED = 3  # a block was created (stored event candidates)
+EV_CREATED = 3  # a block was created
 EV_ROOT_REMOVED = 4  # a root lost its last child and was freed
+# Announcements for KV cache events (semantics.md §4). A header is followed by
+# one EV_PAGE_INFO record per life cycle whose slot holds a page, ascending.
+EV_STORED_BLOCK = 5  # stored_block(b): announce every life cycle that covers b
+EV_STORED_LIFE_CYCLE = 6  # stored_life_cycle(b, lc)
+EV_PAGE_INFO = 7
+EV_UPDATED = 8  # a linked page moved between cache levels
 
 # Scalars the kernels update, one int64 each.
 COUNTERS = Layout(
@@ -118,12 +138,20 @@ COUNTERS = Layout(
         ("live_blocks", 1),
         ("serial", 1),  # the next block serial
         ("detaches", 1),  # blocks detached so far: memoized matches older than this re-check
+        ("log_tokens_len", 1),  # rows of ``log_tokens`` in use (drained with the log)
+        ("num_copies", 1),  # page data copies recorded by the current launch
+        ("evicted", 1),  # pages evicted from the GPU so far (migrated or dropped)
+        ("migrated", 1),  # ... of which moved to the host tier
+        ("dropped", 1),  # pages dropped from their last cache level (they died)
+        ("late_len", 1),  # entries of the launch's late-scheduled list
+        ("evict_first", 1),  # evict-first pushes so far (they take ticks below zero)
     ],
 )
 ERR_NONE = 0
 ERR_OUT_OF_BLOCKS = 1
 ERR_LOG_FULL = 2
 ERR_NON_FULL_PARENT = 3
+ERR_COPIES_FULL = 4
 
 
 def _export(layout: Layout, prefix: str):
@@ -146,3 +174,12 @@ LOG_WIDTH = LOG.width
 POLICY_COMMIT_MIN_SNAPSHOT = 0
 POLICY_SCRATCH_REWIND = 1  # swa_scratch_reuse.max_rewind_len, -1 when off
 POLICY_WIDTH = 2
+
+# Page data copies a launch decided on, carried out by the host in order
+# (DeviceTables.copies): storage addresses, so a migration is a copy too.
+COPY_LIFE_CYCLE = 0
+COPY_SRC_LEVEL = 1
+COPY_SRC_INDEX = 2
+COPY_DST_LEVEL = 3
+COPY_DST_INDEX = 4
+COPY_WIDTH = 5

@@ -20,7 +20,7 @@ from gpukv.layout import (
     EV_REMOVED,
     EV_REMOVED_LIFE_CYCLE,
     EV_ROOT_REMOVED,
-    EV_STORED,
+    EV_CREATED,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
@@ -342,7 +342,7 @@ def test_d10_after_clear_the_scope_gets_a_new_root_and_matches(backend):
     block = introspect.make_test_block(mgr, [1, 2], [])
 
     assert len(roots(mgr)) == 1 and children(mgr, roots(mgr)[0]) == [block.row]
-    assert [k for k, _ in logged(log, EV_STORED)] == [block.key]
+    assert [k for k, _ in logged(log, EV_CREATED)] == [block.key]
     m = mgr.match_batch([[1, 2]]).to_host()
     assert m.num_tokens.tolist() == [2] and m.blocks(0).tolist() == [block.row]
     sane(mgr)
@@ -411,7 +411,7 @@ def test_add_or_get_new_longer_block_adopts_the_covered_sibling(backend):
     assert not alive(mgr, short)
     (root,) = roots(mgr)
     assert children(mgr, root) == [longer.row]
-    assert [k for k, _ in logged(log, EV_STORED)] == [longer.key]
+    assert [k for k, _ in logged(log, EV_CREATED)] == [longer.key]
     assert removed_keys(log) == [short.key]
     # the adopted F2 still serves a 2-token prefix of the new block; S1 only 1
     assert mgr.probe_reuse([1, 2]) == 1

@@ -51,7 +51,7 @@ from ..layout import (
     EV_REMOVED,
     EV_REMOVED_LIFE_CYCLE,
     EV_ROOT_REMOVED,
-    EV_STORED,
+    EV_CREATED,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
@@ -547,7 +547,7 @@ def _build_tree(target: str) -> SimpleNamespace:
         # child is that sibling would otherwise be removed in between.
         append_child(S, parent, r)
         index_insert(S, r)
-        log(S, EV_STORED, r, NULL)
+        log(S, EV_CREATED, r, NULL)
         if covered != NULL:
             adopt_pages_from(S, r, covered)
             detach(S, covered)
