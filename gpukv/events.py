@@ -1,0 +1,478 @@
+"""KV cache events (semantics.md §4), built from the tree's change log.
+
+The tree kernels do not call into Python while they change the tree; they
+append records to a change log (``layout.LOG``), which the host drains after
+each launch. ``KVCacheEventManager.on_records`` replays those records, in
+order, through the reference event manager's operations:
+
+    EV_STORED_BLOCK header + EV_PAGE_INFO*       -> add_stored_block_event_from_block
+    EV_STORED_LIFE_CYCLE header + EV_PAGE_INFO*  -> add_stored_life_cycle_event_from_block
+    EV_REMOVED                                   -> add_removed_event([key])
+    EV_REMOVED_LIFE_CYCLE                        -> add_removed_life_cycle_event(key, lc)
+    EV_UPDATED                                   -> add_updated_event(key, cache_level diff)
+    EV_CREATED, EV_ROOT_REMOVED                  -> nothing (tree bookkeeping only)
+
+A header is followed by one EV_PAGE_INFO record per life cycle whose slot holds
+a page, ascending; ``covers`` says whether that page covers the whole block.
+Both stored paths get every page info, because the life-cycle path falls back
+to the whole-block path when the block was never announced.
+
+What a consumer sees is decided by four rules, each in one place below:
+
+- *Announcements* (``_stored``): per block key, its event hash and the life
+  cycles announced for it. Only a page that covers the whole block is ever
+  announced (the partial-coverage rule): the payload lists the block's full
+  token list, which a shorter page is not valid for. Removals report only
+  announced life cycles, so every removed (hash, group) was stored before and
+  none is removed twice without a store in between (§3 invariant 16).
+- *Removed batching* (``_removed``): removed hashes are buffered per layer
+  group. Any other event first flushes all of them, one removed event per
+  group in ascending group order; a stored event flushes its own group first.
+- *Stored coalescing* (``_latest_stored``): a stored event extends its group's
+  latest stored event when nothing is buffered for removal and that event's
+  last block is the new block's parent, so a committed chain reads as one
+  event. Any other event for the group, and every flush, ends the chain.
+- *The public queue* (``_queue``): ``flush_iteration_events`` moves the pending
+  events there; it keeps the newest ``max_entries`` and drops the oldest.
+
+Choices where the reference leaves room, all documented at their definition:
+``NO_WINDOW`` (the window size of life cycles without one), the created event's
+layer group (None), and the byte order of ``sha256_64`` hashes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .kernels.sha256 import int64x4_to_digest
+from .layout import (
+    EV_CREATED,
+    EV_PAGE_INFO,
+    EV_REMOVED,
+    EV_REMOVED_LIFE_CYCLE,
+    EV_ROOT_REMOVED,
+    EV_STORED_BLOCK,
+    EV_STORED_LIFE_CYCLE,
+    EV_UPDATED,
+    LOG,
+    LOG_COVERS,
+    LOG_DIGEST,
+    LOG_KIND,
+    LOG_LEVEL,
+    LOG_LIFE_CYCLE,
+    LOG_NUM_TOKENS,
+    LOG_OLD_LEVEL,
+    LOG_PARENT_DIGEST,
+    LOG_PARENT_IS_ROOT,
+    LOG_PRIORITY,
+    LOG_TOKENS_AT,
+)
+
+__all__ = [
+    "HASH_ALGOS",
+    "NO_WINDOW",
+    "Diff",
+    "KVCacheCreatedData",
+    "KVCacheEvent",
+    "KVCacheEventManager",
+    "KVCacheRemovedData",
+    "KVCacheStoredBlockData",
+    "KVCacheStoredData",
+    "KVCacheUpdatedData",
+    "LoggedBlock",
+    "PageInfo",
+    "UniqueToken",
+    "event_block_hash",
+]
+
+# The window size reported for a layer group without a sliding window (full
+# attention, SSM) and for events of no layer group: 0, the reference event
+# manager's default. ``[lc.window for lc in config.life_cycles]`` is therefore
+# the ``window_sizes`` list of a config (LifeCycle.window is 0 without a window).
+NO_WINDOW = 0
+
+# config.event_hash -> the ``hash_algo`` named in every event.
+HASH_ALGOS = {"sha256": "v2_sha256", "sha256_64": "v2_sha256_64"}
+
+EventHash = str | int
+
+
+# ---------------------------------------------------------------------------
+# Event data (names and fields as the reference's; sequences are tuples, so an
+# event is immutable once queued)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UniqueToken:
+    """A token of a stored block: an int token id, or the lowercase hex string
+    of a 32-byte multimodal digest token."""
+
+    token_id: int | str
+    token_extra_id: int = 0
+
+
+@dataclass(frozen=True)
+class KVCacheCreatedData:
+    num_blocks_per_cache_level: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheStoredBlockData:
+    block_hash: EventHash
+    tokens: tuple[UniqueToken, ...]  # the block's full token list
+    cache_level: int  # of the announced life cycle's page: 0 = GPU, 1 = host
+    priority: int
+    mm_keys: tuple[str, ...] = ()  # hex digests of its multimodal tokens, first appearance order
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheStoredData:
+    parent_hash: EventHash | None  # None for a block directly under a scope root
+    blocks: tuple[KVCacheStoredBlockData, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheRemovedData:
+    block_hashes: tuple[EventHash, ...]
+
+
+@dataclass(frozen=True)
+class Diff:
+    old_value: int
+    new_value: int
+
+
+@dataclass(frozen=True)
+class KVCacheUpdatedData:
+    block_hash: EventHash
+    cache_level: Diff | None
+    priority: Diff | None
+
+
+EventData = KVCacheCreatedData | KVCacheStoredData | KVCacheRemovedData | KVCacheUpdatedData
+
+
+@dataclass(frozen=True)
+class KVCacheEvent:
+    event_id: int  # increasing in queue order
+    data: EventData
+    window_size: int
+    hash_algo: str
+    attention_dp_rank: int = 0
+    layer_group_id: int | None = None  # the life-cycle id; None for the created event
+
+
+def event_block_hash(key: bytes, event_hash: str) -> EventHash:
+    """A block key as events name it.
+
+    ``"sha256"``: the key's lowercase hex. ``"sha256_64"``: the first 8 bytes
+    of the key read as a big-endian unsigned int, as the reference's
+    ``truncate_sha256_hash_to_int64`` does, so a router that hashes token
+    blocks itself gets the same numbers.
+    """
+    if event_hash == "sha256":
+        return key.hex()
+    if event_hash == "sha256_64":
+        return int.from_bytes(key[:8], "big", signed=False)
+    raise ValueError(f"event_hash must be one of {tuple(HASH_ALGOS)}, got {event_hash!r}")
+
+
+# ---------------------------------------------------------------------------
+# A block as one stored-announcement header describes it
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PageInfo:
+    covers: bool  # the page's coverage >= the block's token count
+    level: int
+    priority: int
+
+
+@dataclass(frozen=True)
+class LoggedBlock:
+    """The block of an EV_STORED_* header: what the two stored paths read."""
+
+    key: bytes
+    parent_key: bytes | None  # None when the parent is a scope root
+    tokens: tuple  # ints, and 32-byte digests for multimodal tokens
+    pages: dict  # life cycle -> PageInfo, for every slot that holds a page
+
+
+# ---------------------------------------------------------------------------
+# The event manager
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Announced:
+    block_hash: EventHash
+    life_cycles: set
+
+
+class KVCacheEventManager:
+    """Turns the tree's change log into KV cache events (semantics.md §4).
+
+    ``max_entries`` caps the public queue (the oldest events are dropped);
+    ``max_entries <= 0`` disables events: every call then does nothing.
+    ``window_sizes[g]`` is the window size reported for layer group ``g``
+    (``NO_WINDOW`` beyond the list). ``digest_of_token(t)`` maps a negative
+    token id of the log to its interned 32-byte multimodal digest.
+    """
+
+    def __init__(
+        self,
+        max_entries: int,
+        event_hash: str,
+        window_sizes: Iterable[int],
+        digest_of_token: Callable[[int], bytes],
+    ):
+        if event_hash not in HASH_ALGOS:
+            raise ValueError(f"event_hash must be one of {tuple(HASH_ALGOS)}, got {event_hash!r}")
+        self.max_entries = int(max_entries)
+        self.enabled = self.max_entries > 0
+        self.event_hash = event_hash
+        self.hash_algo = HASH_ALGOS[event_hash]
+        self.window_sizes = [int(w) for w in window_sizes]
+        self._digest_of_token = digest_of_token
+
+        self._next_event_id = 0
+        self._stored: dict[bytes, _Announced] = {}  # block key -> announcements
+        self._removed: dict[int, list] = {}  # layer group -> buffered removed hashes
+        self._pending: list[KVCacheEvent] = []  # this iteration's events
+        self._latest_stored: dict[int, int] = {}  # layer group -> index in _pending
+        self._queue: deque[KVCacheEvent] = deque(maxlen=max(self.max_entries, 1))
+
+    # -- the manager's entry points ---------------------------------------------
+    def created(self, num_blocks_per_cache_level) -> None:
+        """Announce the cache: one created event, of no layer group (None), as
+        the reference emits it when it is not given group ids."""
+        if self.enabled:
+            data = KVCacheCreatedData(tuple(int(n) for n in num_blocks_per_cache_level))
+            self._add_event(data, None)
+
+    def on_records(self, records: np.ndarray, log_tokens: np.ndarray) -> None:
+        """Consume drained change-log rows ([n, LOG.width] int64, in log order);
+        ``log_tokens`` holds the token rows the stored headers point at."""
+        if not self.enabled:
+            return
+        records = np.asarray(records)
+        if records.size and (records.ndim != 2 or records.shape[1] != LOG.width):
+            raise ValueError(f"records must have shape [n, {LOG.width}], got {records.shape}")
+        digests: dict[int, bytes] = {}  # negative token id -> digest, for this batch
+        i, n = 0, len(records)
+        while i < n:
+            r = records[i]
+            kind = int(r[LOG_KIND])
+            if kind in (EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE):
+                j = i + 1
+                while j < n and int(records[j, LOG_KIND]) == EV_PAGE_INFO:
+                    j += 1
+                block = self._logged_block(r, records[i + 1 : j], log_tokens, digests)
+                if kind == EV_STORED_BLOCK:
+                    self.add_stored_block_event_from_block(block)
+                else:
+                    self.add_stored_life_cycle_event_from_block(block, int(r[LOG_LIFE_CYCLE]))
+                i = j
+                continue
+            if kind == EV_REMOVED:
+                # One record per detached block. Removing a subtree key by key
+                # gives the events of one batched call: removals are buffered
+                # per group, in order, until something flushes them.
+                self.add_removed_event([_digest(r, LOG_DIGEST)])
+            elif kind == EV_REMOVED_LIFE_CYCLE:
+                self.add_removed_life_cycle_event(_digest(r, LOG_DIGEST), int(r[LOG_LIFE_CYCLE]))
+            elif kind == EV_UPDATED:
+                self.add_updated_event(
+                    _digest(r, LOG_DIGEST),
+                    cache_level=Diff(int(r[LOG_OLD_LEVEL]), int(r[LOG_LEVEL])),
+                    priority=None,
+                    layer_group_id=int(r[LOG_LIFE_CYCLE]),
+                )
+            elif kind == EV_PAGE_INFO:
+                raise ValueError(f"log record {i}: a page info record without a stored header")
+            elif kind not in (EV_CREATED, EV_ROOT_REMOVED):
+                raise ValueError(f"log record {i}: unknown kind {kind}")
+            i += 1
+
+    def flush_iteration_events(self) -> None:
+        """End the iteration: flush the buffered removals and move every pending
+        event to the public queue (which keeps the newest ``max_entries``).
+        No stored event coalesces across a flush."""
+        if not self.enabled:
+            return
+        self._flush_all_removed()
+        self._queue.extend(self._pending)
+        self._pending = []
+        self._latest_stored.clear()
+
+    def get_latest_events(self) -> list[KVCacheEvent]:
+        """Drain the public queue, oldest first."""
+        events = list(self._queue)
+        self._queue.clear()
+        return events
+
+    # -- §4 operations, as the reference names them -------------------------------
+    def add_stored_block_event_from_block(self, block: LoggedBlock) -> None:
+        """Announce every life cycle whose page covers the whole block (and no
+        other), one stored event each, ascending; the announcements replace
+        any earlier ones of the block. Nothing when no page covers it."""
+        covering = sorted(lc for lc, page in block.pages.items() if page.covers)
+        if not covering:
+            return
+        block_hash = self._hash(block.key)
+        self._stored[block.key] = _Announced(block_hash, set(covering))
+        parent_hash = self._parent_hash(block)
+        for lc in covering:
+            self._add_stored_event(parent_hash, self._block_data(block, block_hash, block.pages[lc]), lc)
+
+    def add_stored_life_cycle_event_from_block(self, block: LoggedBlock, life_cycle: int) -> None:
+        """Announce one more life cycle of an announced block, when its page
+        covers the whole block; a block never announced takes the whole-block
+        path instead."""
+        state = self._stored.get(block.key)
+        if state is None:
+            self.add_stored_block_event_from_block(block)
+            return
+        page = block.pages.get(life_cycle)
+        if life_cycle in state.life_cycles or page is None or not page.covers:
+            return
+        state.life_cycles.add(life_cycle)
+        data = self._block_data(block, state.block_hash, page)
+        self._add_stored_event(self._parent_hash(block), data, life_cycle)
+
+    def add_removed_event(self, keys: Iterable[bytes]) -> None:
+        """Blocks left the tree: a removed entry per announced life cycle.
+        Unknown keys, and keys already removed, are ignored."""
+        by_group: dict[int, list] = {}
+        for key in keys:
+            state = self._stored.pop(key, None)
+            if state is None:
+                continue
+            for lc in sorted(state.life_cycles):
+                by_group.setdefault(lc, []).append(state.block_hash)
+        for lc in sorted(by_group):
+            self._enqueue_removed(by_group[lc], lc)
+
+    def add_removed_life_cycle_event(self, key: bytes, life_cycle: int) -> None:
+        """One life cycle's page of a block died: a removed entry for that group
+        if it was announced. Removing the last announced life cycle forgets the
+        block, so a later store announces it from scratch."""
+        state = self._stored.get(key)
+        if state is None or life_cycle not in state.life_cycles:
+            return
+        state.life_cycles.remove(life_cycle)
+        if not state.life_cycles:
+            del self._stored[key]
+        self._enqueue_removed([state.block_hash], life_cycle)
+
+    def add_updated_event(
+        self,
+        key: bytes,
+        cache_level: Diff | None = None,
+        priority: Diff | None = None,
+        layer_group_id: int | None = None,
+    ) -> None:
+        """A page of an announced block changed level or priority. Nothing for
+        a block without announcements, or when both diffs are None."""
+        if cache_level is None and priority is None:
+            return
+        state = self._stored.get(key)
+        if state is None:
+            return
+        self._add_event(KVCacheUpdatedData(state.block_hash, cache_level, priority), layer_group_id)
+
+    # -- batching and ordering ---------------------------------------------------
+    def _add_event(self, data: EventData, group: int | None) -> int:
+        """Append an event to this iteration's list; returns its index there."""
+        if not isinstance(data, KVCacheRemovedData):
+            # Removals that happened before this event must be seen before it.
+            self._flush_all_removed()
+        event = KVCacheEvent(
+            event_id=self._next_event_id,
+            data=data,
+            window_size=self._window_size(group),
+            hash_algo=self.hash_algo,
+            attention_dp_rank=0,
+            layer_group_id=group,
+        )
+        self._next_event_id += 1
+        self._pending.append(event)
+        if not isinstance(data, KVCacheStoredData):
+            self._latest_stored.pop(group, None)
+        return len(self._pending) - 1
+
+    def _add_stored_event(self, parent_hash, block: KVCacheStoredBlockData, group: int) -> None:
+        # The group's own removals go first, ahead of the other groups' too: a
+        # block removed and then stored again must not read as stored, removed.
+        self._flush_removed(group)
+        latest = self._latest_stored.get(group)
+        if not self._removed and latest is not None:
+            event = self._pending[latest]
+            if event.data.blocks[-1].block_hash == parent_hash:
+                data = KVCacheStoredData(event.data.parent_hash, event.data.blocks + (block,))
+                self._pending[latest] = replace(event, data=data)
+                return
+        # Not a continuation: a new event (which flushes the other groups'
+        # removals, ascending, before it).
+        self._latest_stored[group] = self._add_event(KVCacheStoredData(parent_hash, (block,)), group)
+
+    def _enqueue_removed(self, hashes: list, group: int) -> None:
+        # The group's chain ends here too: the removed event these hashes are
+        # flushed into comes before any later stored event of the group.
+        self._removed.setdefault(group, []).extend(hashes)
+
+    def _flush_removed(self, group: int) -> None:
+        hashes = self._removed.pop(group, None)
+        if hashes:
+            self._add_event(KVCacheRemovedData(tuple(hashes)), group)
+
+    def _flush_all_removed(self) -> None:
+        for group in sorted(self._removed):
+            self._flush_removed(group)
+
+    # -- helpers -----------------------------------------------------------------
+    def _window_size(self, group: int | None) -> int:
+        if group is not None and 0 <= group < len(self.window_sizes):
+            return self.window_sizes[group]
+        return NO_WINDOW
+
+    def _hash(self, key: bytes) -> EventHash:
+        return event_block_hash(key, self.event_hash)
+
+    def _parent_hash(self, block: LoggedBlock) -> EventHash | None:
+        return None if block.parent_key is None else self._hash(block.parent_key)
+
+    @staticmethod
+    def _block_data(block: LoggedBlock, block_hash: EventHash, page: PageInfo) -> KVCacheStoredBlockData:
+        """The stored payload of ``block`` as announced for ``page``'s life cycle."""
+        tokens = tuple(UniqueToken(t.hex() if isinstance(t, bytes) else t) for t in block.tokens)
+        mm_keys = tuple(dict.fromkeys(t.hex() for t in block.tokens if isinstance(t, bytes)))
+        return KVCacheStoredBlockData(block_hash, tokens, page.level, page.priority, mm_keys)
+
+    def _logged_block(self, header, page_infos, log_tokens, digests: dict) -> LoggedBlock:
+        row = log_tokens[int(header[LOG_TOKENS_AT])][: int(header[LOG_NUM_TOKENS])]
+        tokens = []
+        for t in row.tolist():
+            if t < 0:  # an interned multimodal digest
+                if t not in digests:
+                    digests[t] = bytes(self._digest_of_token(t))
+                tokens.append(digests[t])
+            else:
+                tokens.append(t)
+        pages = {
+            int(p[LOG_LIFE_CYCLE]): PageInfo(bool(p[LOG_COVERS]), int(p[LOG_LEVEL]), int(p[LOG_PRIORITY]))
+            for p in page_infos
+        }
+        parent = None if header[LOG_PARENT_IS_ROOT] else _digest(header, LOG_PARENT_DIGEST)
+        return LoggedBlock(_digest(header, LOG_DIGEST), parent, tuple(tokens), pages)
+
+
+def _digest(record, col: int) -> bytes:
+    return int64x4_to_digest(record[col : col + 4])
