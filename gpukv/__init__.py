@@ -11,6 +11,14 @@ from .arena import TokenSequence
 from .backend import BackendError
 from .cache import KVCache, KVCacheStatus, LogicError
 from .config import Attention, CacheConfig, ConfigError, Ssm, SwaScratchReuse
+from .events import (
+    KVCacheCreatedData,
+    KVCacheEvent,
+    KVCacheRemovedData,
+    KVCacheStoredBlockData,
+    KVCacheStoredData,
+    KVCacheUpdatedData,
+)
 from .hashing import gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
 from .manager import KVCacheManager
 from .matching import BatchMatch
@@ -28,7 +36,13 @@ __all__ = [
     "CacheConfig",
     "ConfigError",
     "KVCache",
+    "KVCacheCreatedData",
+    "KVCacheEvent",
     "KVCacheManager",
+    "KVCacheRemovedData",
+    "KVCacheStoredBlockData",
+    "KVCacheStoredData",
+    "KVCacheUpdatedData",
     "KVCacheStatus",
     "LogicError",
     "ReuseScope",

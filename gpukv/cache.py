@@ -22,7 +22,6 @@ from .kernels.seq import (
     Q_HISTORY,
     Q_NEVER_RESUMED,
     Q_NUM_BLOCKS,
-    Q_NUM_COPIES,
     Q_RESULT,
     Q_SCOPE_ID,
     Q_SCOPE_KEY,
@@ -42,8 +41,17 @@ from .kernels.seq import (
     SeqTables,
     build_seq_kernel,
 )
-from .config import KIND_FULL, KIND_SWA
-from .layout import NULL, PAGE_COMMITTED, PAGE_HOLDERS, PAGE_PLANNED_DROPS, PAGE_POOL_INDEX, PAGE_SERIAL, PAGE_STATE
+from .config import DEFAULT_PRIORITY, KIND_FULL, KIND_SWA, check_priority
+from .layout import (
+    NULL,
+    PAGE_COMMITTED,
+    PAGE_HOLDERS,
+    PAGE_LEVEL,
+    PAGE_PLANNED_DROPS,
+    PAGE_POOL_INDEX,
+    PAGE_SERIAL,
+    PAGE_STATE,
+)
 from .tokens import token_array
 
 
@@ -63,8 +71,12 @@ class KVCache:
     Created by ``KVCacheManager.create_kv_cache``; starts SUSPENDED holding the
     reused pages. ``num_committed_tokens <= history_length <= capacity``."""
 
-    def __init__(self, mgr, scope):
+    def __init__(self, mgr, scope, priority_callback=None):
+        if priority_callback is not None and not callable(priority_callback):
+            raise TypeError(f"priority_callback must be callable(ordinal, life_cycle_id) -> int, got {priority_callback!r}")
         self._mgr = mgr
+        self._priority_callback = priority_callback
+        self._priorities_known = 0  # ordinals whose page priorities are in the device table
         self._backend = mgr._backend
         tree = mgr._tree
         sid = tree.scope_id(scope, create=True)
@@ -83,7 +95,7 @@ class KVCache:
             tree=xp.full(blocks, NULL, dtype=np.int64),
             tokens=xp.zeros(blocks * self._T, dtype=np.int32),
             scalars=self._backend.to_device(scalars),
-            copies=xp.zeros((2 * L + 4, 3), dtype=np.int64),  # a launch copies at most a page per life cycle, twice
+            priority=xp.full((blocks, max(L, 1)), DEFAULT_PRIORITY, dtype=np.int64),
             path=xp.zeros(blocks, dtype=np.int64),
             args=xp.zeros(4, dtype=np.int64),
             out=xp.zeros(4, dtype=np.int64),
@@ -117,7 +129,9 @@ class KVCache:
         return self._backend.to_host(self._q.tokens[: self.num_committed_tokens]).copy()
 
     def page_indices(self, life_cycle_id: int) -> np.ndarray:
-        """One page index (inside the life cycle's GPU pool) per block; -1 = none."""
+        """One page index (inside the life cycle's GPU pool) per block; -1 = none,
+        or a page that is on the host tier (an ACTIVE cache has all its pages on
+        the GPU)."""
         self._check_lc(life_cycle_id)
         rows = self._backend.to_host(self._q.pages[: int(self._scalars[Q_NUM_BLOCKS]), life_cycle_id])
         return self._pool_index(rows)
@@ -141,15 +155,19 @@ class KVCache:
 
     def _pool_index(self, rows) -> np.ndarray:
         out = np.full(len(rows), -1, dtype=np.int32)
-        have = rows != NULL
-        out[have] = self._mgr._tables.page_fields(rows[have], PAGE_POOL_INDEX)
+        have = np.nonzero(rows != NULL)[0]
+        tables = self._mgr._tables
+        on_gpu = tables.page_fields(rows[have], PAGE_LEVEL) == 0
+        out[have[on_gpu]] = tables.page_fields(rows[have[on_gpu]], PAGE_POOL_INDEX)
         return out
 
     # -- calls --------------------------------------------------------------------------
     def resume(self) -> bool:
         """SUSPENDED -> ACTIVE (False, and no change, when pages run out)."""
         self._require(KVCacheStatus.SUSPENDED, "resume()")
-        return self._launch(SEQ_RESUME)
+        blocks = int(self._scalars[Q_NUM_BLOCKS])
+        self._fill_priorities(blocks)
+        return self._launch(SEQ_RESUME, need=blocks + 2)
 
     def suspend(self):
         self._require(KVCacheStatus.ACTIVE, "suspend()")
@@ -174,8 +192,11 @@ class KVCache:
                 )
             if cap < self.capacity and self._backend.to_host(self._q.scratch_count).any():
                 raise ValueError("cannot shrink the capacity while scratch slots are held (suspend first)")
-        self._reserve(-(-cap // self._T))
-        return self._launch(SEQ_RESIZE, cap, hist)
+        blocks = -(-cap // self._T)
+        self._reserve(blocks)
+        self._fill_priorities(blocks)
+        new = max(0, blocks - int(self._scalars[Q_NUM_BLOCKS]))
+        return self._launch(SEQ_RESIZE, cap, hist, need=new + _scratch_width(self._mgr.config) + 1)
 
     def commit(self, tokens, is_end: bool = False):
         """Commit the next tokens of the sequence into the reuse tree (§2.5)."""
@@ -197,13 +218,16 @@ class KVCache:
                 f"before ({n0}) or after ({n1}) the commit"
             )
         self._q.tokens[n0:n1] = self._backend.to_device(arr)
-        self._mgr._tables.ensure_free_blocks(-(-n1 // self._T) + 2)
-        self._launch(SEQ_COMMIT, n0, arr.size, int(bool(is_end)))
+        blocks = -(-n1 // self._T)
+        self._mgr._tables.ensure_free_blocks(blocks + 2)
+        self._mgr._tables.ensure_log_tokens(2 * blocks + 2)  # new blocks and a re-attached chain
+        self._launch(SEQ_COMMIT, n0, arr.size, int(bool(is_end)), need=2)
 
     def stop_committing(self):
         if self.status is KVCacheStatus.CLOSED:
             raise LogicError("stop_committing() on a closed KV cache")
         self._mgr._tables.ensure_free_blocks(2)
+        self._mgr._tables.ensure_log_tokens(2 * int(self._scalars[Q_NUM_BLOCKS]) + 2)
         self._launch(SEQ_STOP)
 
     def close(self):
@@ -212,6 +236,7 @@ class KVCache:
         if self.status is KVCacheStatus.CLOSED:
             return
         self._mgr._tables.ensure_free_blocks(2)
+        self._mgr._tables.ensure_log_tokens(2 * int(self._scalars[Q_NUM_BLOCKS]) + 2)
         self._launch(SEQ_CLOSE)
         self._mgr._open_caches.discard(self)
 
@@ -270,18 +295,42 @@ class KVCache:
         tokens[: q.tokens.shape[0]] = q.tokens
         self._q = q._replace(
             pages=grow(q.pages, NULL), kinds=grow(q.kinds, 0), tree=grow(q.tree, NULL), tokens=tokens,
-            path=grow(q.path, 0),
+            path=grow(q.path, 0), priority=grow(q.priority, DEFAULT_PRIORITY),
         )
 
-    def _launch(self, op, *args) -> bool:
+    def _fill_priorities(self, blocks: int):
+        """Page priorities for ordinals up to ``blocks`` from the callback, asked
+        once per (ordinal, life cycle) before the launch that may create such
+        pages, so a bad value or a raising callback changes nothing."""
+        cb = self._priority_callback
+        if cb is None or blocks <= self._priorities_known:
+            return
+        L = len(self._mgr.config.life_cycles)
+        rows = np.empty((blocks - self._priorities_known, max(L, 1)), dtype=np.int64)
+        rows[:] = DEFAULT_PRIORITY
+        for i, o in enumerate(range(self._priorities_known, blocks)):  # the callback is per (ordinal, life cycle) by contract
+            for lc in range(L):
+                try:
+                    v = cb(o, lc)
+                except Exception as e:
+                    raise ValueError(f"priority_callback({o}, {lc}) raised {type(e).__name__}: {e}") from e
+                rows[i, lc] = check_priority(v, f"priority_callback({o}, {lc})")
+        self._q.priority[self._priorities_known:blocks] = self._backend.to_device(rows)
+        self._priorities_known = blocks
+
+    def _launch(self, op, *args, need: int = 0) -> bool:
+        """One launch of the sequence kernel; ``need`` bounds the GPU pages it
+        allocates per life cycle (so eviction victims are listed beforehand)."""
         b = self._backend
+        mgr = self._mgr
         a = np.zeros(4, dtype=np.int64)
         a[: len(args)] = args
         self._q.args[:] = b.to_device(a)
-        self._run(self._mgr._tables.device, self._q, op)
+        if need:
+            mgr._evictor.prepare([need] * len(mgr.config.life_cycles))
+        self._run(mgr._tables.device, self._q, op)
         self._scalars = b.to_host(self._q.scalars).copy()
-        self._mgr._copy_pages(b.to_host(self._q.copies[: int(self._scalars[Q_NUM_COPIES])]))
-        self._mgr._tree.after_kernel()
+        mgr._tree.after_kernel()
         return bool(self._scalars[Q_RESULT])
 
     def _require(self, status: KVCacheStatus, what: str):

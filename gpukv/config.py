@@ -22,6 +22,16 @@ KIND_SSM = 2  # recurrent state: the endpoint must be exactly a checkpoint
 EVENT_HASHES = ("sha256", "sha256_64")  # block-hash formats of KV cache events
 
 MAX_TOKEN_ID = 2**31 - 1
+PRIORITY_MIN = 0  # eviction priorities: lower values are evicted first
+PRIORITY_MAX = 100
+DEFAULT_PRIORITY = 35
+
+
+def check_priority(value, what: str) -> int:
+    """A valid eviction priority, or a ValueError naming ``what``."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise ValueError(f"{what} must be an int in {PRIORITY_MIN}..{PRIORITY_MAX}, got {value!r}")
+    return int(value)
 
 
 class ConfigError(ValueError):

@@ -35,6 +35,11 @@ from .layout import (
     PAGE_BLOCK,
     PAGE_COMMITTED,
     PAGE_COVERAGE,
+    PAGE_FREE,
+    PAGE_HOLDERS,
+    PAGE_LEVEL,
+    PAGE_LOCKS,
+    PAGE_POOL_INDEX,
     PAGE_LIFE_CYCLE,
     PAGE_STATE,
     PAGES,
@@ -239,6 +244,34 @@ def check_sanity(mgr):
         if raw_pages[pg, PAGE_COVERAGE] < 1:
             fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
     _check_monotone_coverage(mgr, slots, raw, in_use, L)
+    _check_pools(mgr, raw_pages, fail)
+
+
+def _check_pools(mgr, pages, fail):
+    """Page rows and storage slots are accounted for exactly once; only GPU
+    pages are locked; holder counts are sane (§1.4, invariant 9)."""
+    t = mgr._tables
+    h = mgr._backend.to_host
+    pool_top, pool_start, pool_size = h(t.pool_top), h(t.pool_start), h(t.pool_size)
+    page_free, row_free, row_start, row_top = h(t.page_free), h(t.row_free), h(t.row_start), h(t.row_top)
+    live = pages[:, PAGE_STATE] != PAGE_FREE
+    if (pages[live, PAGE_LOCKS] < 0).any() or (pages[live, PAGE_LOCKS] > pages[live, PAGE_HOLDERS]).any():
+        fail(9, "a page has negative locks or more locks than holders")
+    if (pages[live & (pages[:, PAGE_LOCKS] > 0), PAGE_LEVEL] != 0).any():
+        fail(9, "a locked page is not on the GPU")
+    for lc in range(len(mgr.config.life_cycles)):
+        n_rows = int(pool_size[2 * lc] + pool_size[2 * lc + 1])
+        rows = np.arange(row_start[lc], row_start[lc] + n_rows)
+        free_rows = row_free[row_start[lc]:row_start[lc] + row_top[lc]]
+        if sorted(free_rows.tolist()) != sorted(rows[~live[rows]].tolist()):
+            fail(9, f"life cycle {lc}: the free page rows do not match the free pages")
+        for level in range(2):
+            pool = 2 * lc + level
+            in_pool = rows[live[rows] & (pages[rows, PAGE_LEVEL] == level)]
+            used = pages[in_pool, PAGE_POOL_INDEX]
+            free = page_free[pool_start[pool]:pool_start[pool] + pool_top[pool]]
+            if sorted(np.concatenate([used, free]).tolist()) != list(range(int(pool_size[pool]))):
+                fail(9, f"life cycle {lc} level {level}: storage slots are not each used or free exactly once")
 
 
 def _check_monotone_coverage(mgr, slots, raw, in_use, L):

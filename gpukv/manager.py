@@ -11,8 +11,18 @@ import numpy as np
 from .arena import TokenArena, TokenSequence
 from .backend import get_backend, quiet_simulator
 from .cache import KVCache, LogicError
-from .config import CacheConfig
-from .layout import PAGE_POOL_INDEX
+from .config import KIND_SWA, CacheConfig
+from .evict import Evictor
+from .layout import (
+    CNT_DROPPED,
+    CNT_EVICTED,
+    CNT_MIGRATED,
+    COPY_DST_INDEX,
+    COPY_DST_LEVEL,
+    COPY_LIFE_CYCLE,
+    COPY_SRC_INDEX,
+    COPY_SRC_LEVEL,
+)
 from .matching import BatchMatch, Matcher
 from .scope import as_scope
 from .stats import ReuseStats
@@ -35,11 +45,29 @@ class KVCacheManager:
         self._open_caches: set[KVCache] = set()
         self._stats = ReuseStats()
         self._copies = [0] * len(config.life_cycles)
-        # Real page memory: one [pages, page_bytes] byte array per life cycle's GPU pool.
+        # Real page memory: one [pages, page_bytes] byte array per life cycle
+        # and cache level (GPU pools on the device, host pools in host memory).
+        nbytes = config.page_bytes
         self._page_memory = [
-            self._backend.xp.zeros((n, config.page_bytes), dtype=np.uint8) if config.page_bytes else None
-            for n in config.pages_per_life_cycle_list()
+            [self._backend.xp.zeros((n, nbytes), dtype=np.uint8) if nbytes else None
+             for n in config.pages_per_life_cycle_list()],
+            [np.zeros((n, nbytes), dtype=np.uint8) if nbytes and n else None
+             for n in config.pages_per_life_cycle_list(host=True)],
         ]
+        self._evictor = Evictor(self._tables)
+        self._tree.evictor = self._evictor
+        self._tree.copy_sink = self._copy_pages
+        self._eviction_seen = np.zeros(3, dtype=np.int64)
+        self._events = None
+        if config.max_kv_event_entries > 0:
+            from .events import KVCacheEventManager
+
+            windows = [lc.window if lc.kind == KIND_SWA else 0 for lc in config.life_cycles]
+            self._events = KVCacheEventManager(
+                config.max_kv_event_entries, config.event_hash, windows, self._tables.digest_of_token
+            )
+            self._tree.event_sink = self._events.on_records
+            self._events.created([sum(config.pages_per_life_cycle_list()), sum(config.pages_per_life_cycle_list(host=True))])
 
     # -- facts ------------------------------------------------------------------------
     @property
@@ -83,11 +111,13 @@ class KVCacheManager:
         return seq
 
     # -- sequences -------------------------------------------------------------------------
-    def create_kv_cache(self, input_tokens=None, scope=None) -> KVCache:
+    def create_kv_cache(self, input_tokens=None, scope=None, priority_callback=None) -> KVCache:
         """A new, SUSPENDED cache. With ``input_tokens`` it runs the same match as
         ``probe_reuse`` and holds the matched pages at once;
-        ``num_committed_tokens`` is the reused length."""
-        kv = KVCache(self, scope)
+        ``num_committed_tokens`` is the reused length. ``priority_callback(ordinal,
+        life_cycle_id) -> 0..100`` gives the eviction priority of the pages this
+        cache creates (default 35; lower values are evicted first)."""
+        kv = KVCache(self, scope, priority_callback)
         if input_tokens is not None:
             tokens = token_array(input_tokens, self._tables.intern_digest)
             m = self._matcher.match([tokens], scope).to_host()
@@ -114,25 +144,59 @@ class KVCacheManager:
         self._stats = ReuseStats(**{k: v for k, v in stats.__dict__.items() if not k.startswith("ssm_")})
         return stats.ssm_dict()
 
-    def page_memory(self, life_cycle_id: int):
-        """The life cycle's GPU page pool as a [pages, page_bytes] uint8 array
-        (None when ``page_bytes`` is 0); ``KVCache.page_indices`` index it."""
-        return self._page_memory[life_cycle_id]
+    def page_memory(self, life_cycle_id: int, level: int = 0):
+        """The life cycle's page pool at a cache level (0 = GPU, 1 = host) as a
+        [pages, page_bytes] uint8 array (None when ``page_bytes`` is 0 or the
+        level has no pages); ``KVCache.page_indices`` index the GPU pool."""
+        return self._page_memory[level][life_cycle_id]
 
-    def _copy_pages(self, copies):
-        """Carry out the page copies a kernel recorded, in order: (life cycle,
-        source page row, destination page row)."""
-        if not len(copies):
-            return
-        for lc in copies[:, 0]:
+    def _copy_pages(self, copies: np.ndarray):
+        """Carry out the page data copies a launch recorded, in order. Runs of
+        copies between the same two pools go as one gather/scatter when no copy
+        in the run reads or overwrites a slot another one writes."""
+        key = copies[:, [COPY_LIFE_CYCLE, COPY_SRC_LEVEL, COPY_DST_LEVEL]]
+        intra = (copies[:, COPY_SRC_LEVEL] == 0) & (copies[:, COPY_DST_LEVEL] == 0)
+        for lc in copies[intra, COPY_LIFE_CYCLE]:
             self._copies[int(lc)] += 1
         if not self.config.page_bytes:
             return
-        src = self._tables.page_fields(copies[:, 1], PAGE_POOL_INDEX)
-        dst = self._tables.page_fields(copies[:, 2], PAGE_POOL_INDEX)
-        for k, lc in enumerate(copies[:, 0]):  # at most a few per call, one device copy each
-            mem = self._page_memory[lc]
-            mem[dst[k]] = mem[src[k]]
+        breaks = np.nonzero((key[1:] != key[:-1]).any(axis=1))[0] + 1
+        for run in np.split(np.arange(len(copies)), breaks):
+            lc, src_level, dst_level = (int(x) for x in key[run[0]])
+            src, dst = copies[run, COPY_SRC_INDEX], copies[run, COPY_DST_INDEX]
+            src_mem = self._page_memory[src_level][lc]
+            dst_mem = self._page_memory[dst_level][lc]
+            same_pool = src_level == dst_level
+            if len(np.unique(dst)) == len(dst) and not (same_pool and np.intersect1d(src, dst).size):
+                dst_mem[self._on(dst_level, dst)] = self._to(dst_level, src_mem[self._on(src_level, src)])
+            else:
+                for s_, d_ in zip(src.tolist(), dst.tolist()):  # rare: a slot reused within the run
+                    dst_mem[d_] = self._to(dst_level, src_mem[s_])
+
+    def _on(self, level: int, index: np.ndarray):
+        return self._backend.to_device(index) if level == 0 else index
+
+    def _to(self, level: int, data):
+        """Page bytes moved into the memory of ``level`` (device or host)."""
+        return self._backend.to_device(data) if level == 0 else np.asarray(self._backend.to_host(data))
+
+    def get_and_reset_eviction_stats(self) -> dict:
+        """Pages evicted from the GPU since the last call (``evicted``), of which
+        moved to the host tier (``migrated``), and pages that died on eviction
+        from their last level (``dropped``)."""
+        c = self._tables.counters_host()
+        now = np.array([c[CNT_EVICTED], c[CNT_MIGRATED], c[CNT_DROPPED]], dtype=np.int64)
+        diff = now - self._eviction_seen
+        self._eviction_seen = now
+        return {"evicted": int(diff[0]), "migrated": int(diff[1]), "dropped": int(diff[2])}
+
+    def get_latest_events(self) -> list:
+        """KV cache events since the last call, oldest first ([] when events are
+        off: ``max_kv_event_entries`` is 0)."""
+        if self._events is None:
+            return []
+        self._events.flush_iteration_events()
+        return self._events.get_latest_events()
 
     def get_and_reset_iteration_stats(self) -> dict:
         """Per life cycle, the page copies made on the device since the last

@@ -7,9 +7,13 @@ reuses rows instead of growing. The host keeps the stack stocked before each
 operation (``ensure_free_blocks``); when it runs low every block-indexed table
 doubles and the child index is rebuilt for the new size.
 
-Pages are fixed pools, one per (life cycle, cache level): a pool's rows are
-contiguous in the pages table and its free list is the matching stretch of
-``page_free`` with ``pool_top`` entries in use.
+Pages are records with a stable row (what sequences and tree slots refer to)
+and a storage slot in one of the fixed pools, one pool per (life cycle, cache
+level). A page migrating between levels keeps its row and changes its storage
+slot. Each life cycle owns a contiguous stretch of page rows (as many as its
+pools have slots together) with a free-row stack; each pool has a stack of free
+storage indices. The eviction controller's inputs (victim lists, the late list,
+candidate counts) live here too; ``evict.py`` fills them.
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ from .layout import (
     BLOCKS,
     CNT_BLOCK_FREE_TOP,
     CNT_LOG_LEN,
+    CNT_LOG_TOKENS_LEN,
+    CNT_NUM_COPIES,
+    COPY_WIDTH,
     COUNTERS,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
     LOG,
     NULL,
-    PAGE_LEVEL,
     PAGE_LIFE_CYCLE,
-    PAGE_POOL_INDEX,
     PAGE_STATE,
     PAGE_FREE,
     PAGES,
@@ -60,11 +65,25 @@ DeviceTables = namedtuple(
         "buckets",  # int64 [power of two]: child-index bucket heads (by key)
         "sibling_buckets",  # int64 [power of two]: heads by (parent row, first token)
         "block_free",  # int64 [rows]: free-row stack
-        "pool_start",  # int64 [L * levels]: first page row of each pool
-        "pool_top",  # int64 [L * levels]: free pages of each pool
-        "page_free",  # int64 [pages]: per-pool free stacks
+        "pool_start",  # int64 [L * levels]: where each pool's stack starts in page_free
+        "pool_top",  # int64 [L * levels]: free storage slots of each pool
+        "pool_size",  # int64 [L * levels]
+        "page_free",  # int64 [pages]: per-pool stacks of free storage indices
+        "row_start",  # int64 [L]: each life cycle's first page row
+        "row_top",  # int64 [L]: free page rows of each life cycle
+        "row_free",  # int64 [pages]: per-life-cycle stacks of free page rows
+        "copies",  # int64 [k, COPY_WIDTH]: page data copies of the current launch
+        "victims",  # int64 [L * levels, K]: eviction candidates, best first (evict.py)
+        "victim_ticks",  # int64 [L * levels, K]: their LRU ticks when chosen
+        "victim_count",  # int64 [L * levels]: entries in each list (0 after a launch)
+        "victim_next",  # int64 [L * levels]: the next entry to consider
+        "victim_total",  # int64 [L * levels]: all candidates when listed; -1 = unknown
+        "evict_counts",  # int64 [L, 3]: droppable GPU, held GPU, droppable host candidates
+        "late",  # int64 [k, 2]: (page, tick) of pages scheduled during the launch
+        "no_host_room",  # int64 [L]: set when the host tier could not take a held page
         "counters",  # int64 [COUNTERS.width]
         "log",  # int64 [entries, LOG.width]
+        "log_tokens",  # int32 [k, T]: tokens of blocks announced by EV_STORED_* records
         "lc_kind",  # int64 [L]
         "lc_window",  # int64 [L]
         "lc_sinks",  # int64 [L]: sink blocks
@@ -102,30 +121,48 @@ class Tables:
         self.block_free = xp.arange(rows - 1, -1, -1, dtype=np.int64)
         self.counters = xp.zeros(COUNTERS.width, dtype=np.int64)
         self.counters[CNT_BLOCK_FREE_TOP] = rows
-        self.log = xp.zeros((_log_rows(rows), LOG.width), dtype=np.int64)
 
         gpu = config.pages_per_life_cycle_list()
         host = config.pages_per_life_cycle_list(host=True)
-        sizes = []  # pool order: lc-major, level-minor
-        for lc in range(L):
-            sizes += [gpu[lc], host[lc]]
         assert NUM_LEVELS == 2
-        sizes = np.array(sizes, dtype=np.int64)
+        sizes = np.array([n for lc in range(L) for n in (gpu[lc], host[lc])], dtype=np.int64)  # lc-major
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        per_lc = sizes.reshape(L, NUM_LEVELS).sum(axis=1) if L else np.zeros(0, dtype=np.int64)
+        row_starts = np.concatenate([[0], np.cumsum(per_lc)[:-1]]).astype(np.int64)
         total = int(sizes.sum())
         pages = np.full((total, PAGES.width), NULL, dtype=np.int64)
+        pages[:, PAGE_STATE] = PAGE_FREE
         page_free = np.empty(total, dtype=np.int64)
+        row_free = np.empty(total, dtype=np.int64)
         for pool, (start, size) in enumerate(zip(starts, sizes)):
-            rows_of_pool = np.arange(start, start + size, dtype=np.int64)
-            pages[rows_of_pool, PAGE_LIFE_CYCLE] = pool // NUM_LEVELS
-            pages[rows_of_pool, PAGE_LEVEL] = pool % NUM_LEVELS
-            pages[rows_of_pool, PAGE_POOL_INDEX] = rows_of_pool - start
-            pages[rows_of_pool, PAGE_STATE] = PAGE_FREE
-            page_free[start:start + size] = rows_of_pool[::-1]  # pop lowest first
+            page_free[start:start + size] = np.arange(size - 1, -1, -1)  # pop index 0 first
+        for lc in range(L):
+            rows_of_lc = np.arange(row_starts[lc], row_starts[lc] + per_lc[lc], dtype=np.int64)
+            pages[rows_of_lc, PAGE_LIFE_CYCLE] = lc
+            row_free[rows_of_lc] = rows_of_lc[::-1]  # pop the lowest row first
+        self.num_pages = total
+        self.log = xp.zeros((_log_rows(rows, total), LOG.width), dtype=np.int64)
         self.pages = backend.to_device(pages)
         self.page_free = backend.to_device(page_free)
         self.pool_start = backend.to_device(starts)
         self.pool_top = backend.to_device(sizes.copy())
+        self.pool_size = backend.to_device(sizes.copy())
+        self.row_start = backend.to_device(row_starts)
+        self.row_top = backend.to_device(per_lc.astype(np.int64).copy())
+        self.row_free = backend.to_device(row_free)
+        # A page moves at most twice per launch (down to the host, back up on a
+        # lock) and every allocation copies at most once.
+        self.copies = xp.zeros((3 * total + 16, COPY_WIDTH), dtype=np.int64)
+        self.late = xp.zeros((2 * total + 16, 2), dtype=np.int64)
+        pools = max(1, L * NUM_LEVELS)
+        self.victims = xp.zeros((pools, 1), dtype=np.int64)
+        self.victim_ticks = xp.zeros((pools, 1), dtype=np.int64)
+        self.victim_count = xp.zeros(pools, dtype=np.int64)
+        self.victim_next = xp.zeros(pools, dtype=np.int64)
+        self.victim_total = xp.full(pools, -1, dtype=np.int64)
+        self.evict_counts = xp.zeros((max(1, L), 3), dtype=np.int64)
+        self.no_host_room = xp.zeros(max(1, L), dtype=np.int64)
+        self.log_tokens = xp.zeros((64, max(1, T)), dtype=np.int32)
 
         kind, window, sinks = config.life_cycle_arrays()
         self.lc_kind = backend.to_device(kind)
@@ -185,7 +222,7 @@ class Tables:
         self.blocks, self.tokens, self.slots, self.block_free = blocks, tokens, slots, block_free
         self.counters[CNT_BLOCK_FREE_TOP] = free + extra
         # The log is drained after every operation, so it is empty here.
-        self.log = xp.zeros((_log_rows(new), LOG.width), dtype=np.int64)
+        self.log = xp.zeros((_log_rows(new, self.num_pages), LOG.width), dtype=np.int64)
         self._rebuild_index(_pow2_at_least(2 * new))
 
     def _rebuild_index(self, num_buckets: int):
@@ -252,19 +289,40 @@ class Tables:
         return bytes(self.backend.to_host(self.mm_digests[-1 - token]))
 
     # -- the change log ----------------------------------------------------------
-    def drain_log(self) -> np.ndarray:
-        """The log records since the last drain (as host rows), then empty it."""
-        n = int(self.counters_host()[CNT_LOG_LEN])
+    def ensure_log_tokens(self, blocks: int):
+        """Room for the tokens of ``blocks`` announced blocks in one launch."""
+        have = self.log_tokens.shape[0]
+        if have < blocks:
+            self.log_tokens = self.xp.zeros((max(blocks, 2 * have), self.log_tokens.shape[1]), dtype=np.int32)
+
+    def drain_log(self, counters: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The log records since the last drain and the announced tokens (host
+        arrays), then empty both."""
+        n = int(counters[CNT_LOG_LEN])
+        k = int(counters[CNT_LOG_TOKENS_LEN])
         if n == 0:
-            return np.zeros((0, LOG.width), dtype=np.int64)
-        records = self.backend.to_host(self.log[:n]).copy()
+            return np.zeros((0, LOG.width), dtype=np.int64), np.zeros((0, self.log_tokens.shape[1]), dtype=np.int32)
+        records = np.array(self.backend.to_host(self.log[:n]))
+        tokens = np.array(self.backend.to_host(self.log_tokens[:k]))
         self.counters[CNT_LOG_LEN] = 0
-        return records
+        self.counters[CNT_LOG_TOKENS_LEN] = 0
+        return records, tokens
+
+    def drain_copies(self, counters: np.ndarray) -> np.ndarray:
+        """The page data copies the last launch recorded, in order."""
+        n = int(counters[CNT_NUM_COPIES])
+        if n == 0:
+            return np.zeros((0, COPY_WIDTH), dtype=np.int64)
+        copies = np.array(self.backend.to_host(self.copies[:n]))
+        self.counters[CNT_NUM_COPIES] = 0
+        return copies
 
 
-def _log_rows(block_rows: int) -> int:
-    """One operation logs at most one record per row (removal) plus its creations."""
-    return 2 * block_rows + 64
+def _log_rows(block_rows: int, pages: int) -> int:
+    """A launch logs at most a removal per block row plus its creations, and
+    per page a death or a migration, and announcements with one info record
+    per life cycle."""
+    return 2 * block_rows + 4 * pages + 256
 
 
 def _pow2_at_least(n: int) -> int:

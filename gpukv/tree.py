@@ -24,6 +24,8 @@ from .kernels.tree import (
     OP_PAGE_DEATH,
     OP_REMOVE_SUBTREE,
     OP_UNLINK_PAGE,
+    OP_ANNOUNCE,
+    OP_EVICT,
     build_tree_kernel,
 )
 from .layout import (
@@ -41,6 +43,7 @@ from .layout import (
     PAGE_STATE,
     PAGE_COMMITTED,
 )
+from .config import DEFAULT_PRIORITY, check_priority
 from .scope import ReuseScope, as_scope
 from .tables import Tables
 from .tokens import token_array
@@ -71,6 +74,9 @@ class BlockTree:
         self._scope_keys: list[int] = []
         self._scope_digests: list[np.ndarray] = []
         self.log_sink: list | None = None  # tests collect the change log here
+        self.event_sink = None  # on_records(records, tokens) of the event manager
+        self.copy_sink = None  # carries out the page data copies of a launch
+        self.evictor = None  # lists eviction victims before a launch that may need room
 
     # -- scopes -------------------------------------------------------------------
     def scope_id(self, scope, create: bool = False) -> int:
@@ -96,8 +102,11 @@ class BlockTree:
         return int64x4_to_digest(self._scope_digests[sid])
 
     # -- kernel launch --------------------------------------------------------------
-    def _op(self, op: int, args=(), toks=None) -> np.ndarray:
+    def _op(self, op: int, args=(), toks=None, need=None) -> np.ndarray:
+        """One tree kernel launch; ``need[lc]`` bounds the GPU pages it allocates."""
         b = self.backend
+        if need is not None and self.evictor is not None:
+            self.evictor.prepare(need)
         a = np.zeros(8, dtype=np.int64)
         a[: len(args)] = args
         t = np.zeros(max(1, self.tables.tokens_per_block), dtype=np.int32) if toks is None else toks
@@ -110,10 +119,16 @@ class BlockTree:
     def after_kernel(self):
         """After any kernel that may change the tree: drain the change log and
         surface an error the kernel had to stop on."""
-        err = int(self.tables.counters_host()[CNT_ERROR])
-        records = self.tables.drain_log()
+        counters = self.tables.counters_host()
+        err = int(counters[CNT_ERROR])
+        copies = self.tables.drain_copies(counters)
+        if self.copy_sink is not None and len(copies):
+            self.copy_sink(copies)
+        records, tokens = self.tables.drain_log(counters)
         if self.log_sink is not None:
             self.log_sink.extend(records)
+        if self.event_sink is not None and len(records):
+            self.event_sink(records, tokens)
         if err != ERR_NONE:
             raise TreeError(f"tree kernel stopped with error code {err}")
 
@@ -174,10 +189,11 @@ class BlockTree:
             return 0
         sid = self.scope_id(scope, create=True)
         self.tables.ensure_free_blocks(-(-arr.size // T) + 1)
+        self.tables.ensure_log_tokens(-(-arr.size // T) + 1)
         out = self._op(OP_INSERT, (sid, self._scope_keys[sid], arr.size, 0, *self._scope_digests[sid]), arr)
         return int(out[3])
 
-    def add_page(self, block: BlockRef, lc: int, coverage: int) -> int:
+    def add_page(self, block: BlockRef, lc: int, coverage: int, priority: int = DEFAULT_PRIORITY) -> int:
         """A fresh committed page of ``coverage`` tokens installed in ``block``'s
         slot when strictly wider than the incumbent; returns it, or NULL."""
         r = self.resolve(block)
@@ -187,7 +203,29 @@ class BlockTree:
             raise TypeError(f"coverage must be an int, got {coverage!r}")
         if not 1 <= coverage <= n:
             raise ValueError(f"coverage must be in 1..{n} (the block's tokens), got {coverage}")
-        return int(self._op(OP_ADD_PAGE, (r, lc, coverage))[0])
+        priority = check_priority(priority, "priority")
+        return int(self._op(OP_ADD_PAGE, (r, lc, coverage, priority), need=self._one(lc))[0])
+
+    def _one(self, lc: int) -> list[int]:
+        need = [0] * self.tables.num_life_cycles
+        need[lc] = 1
+        return need
+
+    def announce(self, block: BlockRef, kind: int, lc: int = NULL):
+        """Feed a block to the event manager's stored paths (EV_STORED_BLOCK or
+        EV_STORED_LIFE_CYCLE), as a commit would."""
+        r = self.resolve(block)
+        if lc != NULL:
+            self._check_lc(lc)
+        self.tables.ensure_log_tokens(1)
+        self._op(OP_ANNOUNCE, (r, kind, lc))
+
+    def evict(self, lc: int, level: int, free: int) -> bool:
+        """Evict from (lc, level) until it has ``free`` free slots (§2.11)."""
+        self._check_lc(lc)
+        need = [0] * self.tables.num_life_cycles
+        need[lc] = free if level == 0 else 0
+        return bool(self._op(OP_EVICT, (lc, level, free), need=need)[0])
 
     def unlink_page(self, block: BlockRef, lc: int, expected: int = NULL) -> int:
         r = self.resolve(block)

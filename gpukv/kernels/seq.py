@@ -7,8 +7,10 @@ scalars. Each public call (create with reuse, resume, suspend, resize, commit,
 stop, close) is one launch of the serial kernel below, so no call loops over
 blocks in Python. Page data copies the kernel decides on (partial snapshots,
 private tail copies, SSM checkpoints) are recorded in ``copies`` and carried
-out by the host right after the launch, in order; every source is a page the
-sequence still holds, so it cannot be reused within the same launch.
+out by the host right after the launch, in order (they are storage addresses,
+so a slot freed and reused within the launch is copied from before it is
+overwritten). Allocations make room by eviction (``kernels/tree.py``); the
+all-or-nothing ones first check that enough could be freed.
 """
 
 from __future__ import annotations
@@ -18,26 +20,28 @@ from collections import namedtuple
 
 
 from ..backend import bind_globals, device_jit
-from ..config import KIND_SSM, KIND_SWA
+from ..config import DEFAULT_PRIORITY, KIND_SSM, KIND_SWA
 from ..layout import (
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_SCRATCH_REWIND,
     BLK_NUM_TOKENS,
     BLK_ORDINAL,
     BLK_REFS,
-    CNT_TICK,
     NULL,
     PAGE_BLOCK,
+    EV_STORED_BLOCK,
+    EV_STORED_LIFE_CYCLE,
     PAGE_COVERAGE,
     PAGE_HOLDERS,
+    PAGE_LEVEL,
+    PAGE_LIFE_CYCLE,
     PAGE_LOCKS,
-    PAGE_LRU_TICK,
     PAGE_STATE,
     PAGE_UNCOMMITTED,
     PAGE_COMMITTED,
 )
 from .lifecycle import build_lifecycle
-from .tree import NUM_LEVELS, build_tree
+from .tree import build_tree
 
 # How a sequence refers to a page (SeqTables.kinds).
 HOLD = 1
@@ -65,7 +69,6 @@ Q_SSM_PAGE = 8  # the live (or reused) SSM page; NULL for none
 Q_SSM_KIND = 9
 Q_SCOPE_ID = 10
 Q_SCOPE_KEY = 11
-Q_NUM_COPIES = 12
 Q_RESULT = 13  # 1 = done, 0 = refused (out of pages)
 Q_VIRTUAL_STOPPED = 14
 Q_WIDTH = 16
@@ -87,7 +90,7 @@ SeqTables = namedtuple(
         "tree",  # int64 [max blocks]: committed tree block row, NULL = uncommitted
         "tokens",  # int32 [max tokens]: committed tokens
         "scalars",  # int64 [Q_WIDTH]
-        "copies",  # int64 [k, 3]: (life cycle, source page, destination page)
+        "priority",  # int64 [max blocks, L]: priority of the pages created for (ordinal, life cycle)
         "path",  # int64 [max blocks]: the matched blocks for SEQ_SETUP_REUSE
         "args",  # int64 [4]
         "out",  # int64 [4]: scratch for tree calls
@@ -116,6 +119,14 @@ def build_seq(target: str):
     maybe_free_orphan = t.maybe_free_orphan
     get_or_create_root = t.get_or_create_root
     adopt_pages_from = t.adopt_pages_from
+    copy_page_data = t.copy_page_data
+    schedule = t.schedule
+    make_room = t.make_room
+    move_page = t.move_page
+    available = t.available
+    evictable = t.evictable
+    announce = t.announce
+    begin_launch, end_launch = t.begin_launch, t.end_launch
 
     lifecycle = build_lifecycle(jit)  # stale ranges (§1.5)
     stale_start, stale_end, is_stale = lifecycle.stale_start, lifecycle.stale_end, lifecycle.is_stale
@@ -156,12 +167,13 @@ def build_seq(target: str):
         if kind == LOCK:
             S.pages[p, PAGE_LOCKS] -= 1
         if S.pages[p, PAGE_HOLDERS] > 0:
+            if kind == LOCK and S.pages[p, PAGE_LOCKS] == 0 and S.pages[p, PAGE_STATE] == PAGE_COMMITTED:
+                schedule(S, p)  # held, unlocked: evictable when a colder level exists
             return
         if S.pages[p, PAGE_STATE] == PAGE_UNCOMMITTED:
             free_page(S, p)
             return
-        S.pages[p, PAGE_LRU_TICK] = S.counters[CNT_TICK]
-        S.counters[CNT_TICK] += 1
+        schedule(S, p)
         b = S.pages[p, PAGE_BLOCK]
         if b == NULL or not is_attached(S, b):
             page_death(S, p)
@@ -205,23 +217,20 @@ def build_seq(target: str):
         S.pages[p, PAGE_BLOCK] = NULL
 
     @jit
-    def new_page(S, lc, state):
-        p = alloc_page(S, lc, 0)
-        if p != NULL:
-            S.pages[p, PAGE_STATE] = state
+    def new_page(S, lc, state, priority):
+        """A GPU page, evicting to make room; NULL when even that fails (callers
+        of all-or-nothing allocations checked ``available`` first)."""
+        if not make_room(S, lc, 0, 1):
+            return NULL
+        p = alloc_page(S, lc, 0, priority)
+        S.pages[p, PAGE_STATE] = state
         return p
 
     @jit
-    def record_copy(Q, lc, src, dst):
-        k = Q.scalars[Q_NUM_COPIES]
-        Q.copies[k, 0] = lc
-        Q.copies[k, 1] = src
-        Q.copies[k, 2] = dst
-        Q.scalars[Q_NUM_COPIES] = k + 1
-
-    @jit
-    def free_count(S, lc):
-        return S.pool_top[lc * NUM_LEVELS]  # level 0 of the life cycle's pools
+    def to_gpu(S, p):
+        """A page about to be locked comes back from the host tier."""
+        if S.pages[p, PAGE_LEVEL] != 0 and make_room(S, S.pages[p, PAGE_LIFE_CYCLE], 0, 1):
+            move_page(S, p, 0)
 
     @jit
     def kind_now(Q):
@@ -268,10 +277,35 @@ def build_seq(target: str):
                     else:
                         S.pages[p, PAGE_LOCKS] -= 1
                     Q.kinds[o, lc] = kind
+                    if kind == HOLD and S.pages[p, PAGE_STATE] == PAGE_COMMITTED:
+                        schedule(S, p)
         p = Q.scalars[Q_SSM_PAGE]
         if p != NULL and Q.scalars[Q_SSM_KIND] != kind:
             S.pages[p, PAGE_LOCKS] += 1 if kind == LOCK else -1
             Q.scalars[Q_SSM_KIND] = kind
+            if kind == HOLD and S.pages[p, PAGE_STATE] == PAGE_COMMITTED:
+                schedule(S, p)
+
+    @jit
+    def pages_off_gpu(S, Q, lc):
+        """The sequence's pages of ``lc`` on the host tier (a resume locks them
+        back onto the GPU), and its held GPU pages eviction could take now."""
+        off = 0
+        held = 0
+        for o in range(Q.scalars[Q_NUM_BLOCKS]):
+            p = Q.pages[o, lc]
+            if p != NULL:
+                if S.pages[p, PAGE_LEVEL] != 0:
+                    off += 1
+                elif evictable(S, p):
+                    held += 1
+        p = Q.scalars[Q_SSM_PAGE]
+        if p != NULL and S.pages[p, PAGE_LIFE_CYCLE] == lc:
+            if S.pages[p, PAGE_LEVEL] != 0:
+                off += 1
+            elif evictable(S, p):
+                held += 1
+        return off, held
 
     @call
     def resume(S, Q):
@@ -284,31 +318,37 @@ def build_seq(target: str):
         N = Q.scalars[Q_COMMITTED]
         first = Q.scalars[Q_NEVER_RESUMED] == 1
         partial = first and N % T != 0
-        if first:
-            for lc in range(L):  # all or nothing
-                need = 1 if (S.lc_kind[lc] == KIND_SSM or partial) else 0
-                if free_count(S, lc) < need:
-                    Q.scalars[Q_RESULT] = 0
-                    return
+        for lc in range(L):  # all or nothing: host pages come back, fresh pages are made
+            off, held = pages_off_gpu(S, Q, lc)
+            need = off + (1 if first and (S.lc_kind[lc] == KIND_SSM or partial) else 0)
+            if need > 0 and available(S, lc, held) < need:
+                Q.scalars[Q_RESULT] = 0
+                return
         Q.scalars[Q_STATUS] = ACTIVE
         set_all_kinds(S, Q, LOCK)
+        for o in range(Q.scalars[Q_NUM_BLOCKS]):
+            for lc in range(L):
+                if Q.pages[o, lc] != NULL:
+                    to_gpu(S, Q.pages[o, lc])
+        if Q.scalars[Q_SSM_PAGE] != NULL:
+            to_gpu(S, Q.scalars[Q_SSM_PAGE])
         if first:
             last = (N - 1) // T
             for lc in range(L):
                 if S.lc_kind[lc] == KIND_SSM:
-                    p = new_page(S, lc, PAGE_UNCOMMITTED)
+                    p = new_page(S, lc, PAGE_UNCOMMITTED, DEFAULT_PRIORITY)  # the live state has no ordinal
                     src = Q.scalars[Q_SSM_PAGE]
                     hold(S, p, LOCK)
                     Q.scalars[Q_SSM_PAGE] = p
                     Q.scalars[Q_SSM_KIND] = LOCK
                     if src != NULL:
-                        record_copy(Q, lc, src, p)
+                        copy_page_data(S, src, p)
                         release(S, src, LOCK)
                 elif partial:
-                    p = new_page(S, lc, PAGE_UNCOMMITTED)
+                    p = new_page(S, lc, PAGE_UNCOMMITTED, Q.priority[last, lc])
                     src = Q.pages[last, lc]  # a partial tail is never stale
                     hold(S, p, LOCK)
-                    record_copy(Q, lc, src, p)
+                    copy_page_data(S, src, p)
                     Q.pages[last, lc] = p
                     release(S, src, LOCK)
             if partial:
@@ -387,7 +427,7 @@ def build_seq(target: str):
                 elif not is_stale(S, lc, h, o):
                     Q.counts[lc] += 1
             Q.counts[lc] += max(0, scratch_slots_needed(S, lc, scratch) - Q.scratch_count[lc])
-            if free_count(S, lc) < Q.counts[lc]:
+            if Q.counts[lc] > 0 and available(S, lc, 0) < Q.counts[lc]:
                 Q.scalars[Q_RESULT] = 0
                 return
         unlock_stale(S, Q, h, True)
@@ -407,11 +447,11 @@ def build_seq(target: str):
                     Q.kinds[o, lc] = SCRATCH
                     scratch += 1
                 elif not is_stale(S, lc, h, o):
-                    p = new_page(S, lc, PAGE_UNCOMMITTED)
+                    p = new_page(S, lc, PAGE_UNCOMMITTED, Q.priority[o, lc])
                     hold(S, p, LOCK)
                     set_entry(Q, o, lc, p, LOCK)
             while Q.scratch_count[lc] < scratch_slots_needed(S, lc, scratch):
-                p = new_page(S, lc, PAGE_UNCOMMITTED)
+                p = new_page(S, lc, PAGE_UNCOMMITTED, Q.priority[lo, lc])
                 hold(S, p, LOCK)
                 Q.scratch[lc, Q.scratch_count[lc]] = p
                 Q.scratch_count[lc] += 1
@@ -457,6 +497,8 @@ def build_seq(target: str):
             if nb != tb:
                 adopt_pages_from(S, nb, tb)
                 set_tree(S, Q, k, nb)
+                if out[1] == 1:
+                    announce(S, nb, EV_STORED_BLOCK, NULL)
             parent = nb
             k += 1
         return parent
@@ -464,18 +506,25 @@ def build_seq(target: str):
     @call
     def copy_page_to_tree(S, Q, tb, lc, src, cov):
         """§2.5.2: a copy of ``src`` with coverage ``cov`` into ``tb``'s slot when
-        strictly wider; when the pool is empty the snapshot is skipped, and the
-        older, narrower one stays (the replacement follows the copy)."""
+        strictly wider, on the GPU or else on the host tier; when no level has
+        room, even by eviction, the snapshot is skipped and the older, narrower
+        one stays (the replacement follows the copy). True when copied."""
         if not can_replace_page(S, tb, lc, cov):
-            return
-        p = new_page(S, lc, PAGE_COMMITTED)
-        if p == NULL:
-            return
+            return False
+        level = 0
+        if not make_room(S, lc, 0, 1):
+            level = 1
+            if not make_room(S, lc, 1, 1):
+                return False
+        p = alloc_page(S, lc, level, Q.priority[S.blocks[tb, BLK_ORDINAL], lc])
         S.pages[p, PAGE_COVERAGE] = cov
-        record_copy(Q, lc, src, p)
+        copy_page_data(S, src, p)
+        if not can_replace_page(S, tb, lc, cov):  # eviction cannot widen a slot; kept for safety
+            free_page(S, p)
+            return False
         replace_page(S, tb, lc, p)
-        S.pages[p, PAGE_LRU_TICK] = S.counters[CNT_TICK]
-        S.counters[CNT_TICK] += 1
+        schedule(S, p)
+        return True
 
     @call
     def snapshot_ssm(S, Q, tb, n_total, move):
@@ -498,8 +547,7 @@ def build_seq(target: str):
                     S.pages[live, PAGE_LOCKS] -= 1
                 commit_page(S, live, c)
                 replace_page(S, tb, lc, live)
-                S.pages[live, PAGE_LRU_TICK] = S.counters[CNT_TICK]
-                S.counters[CNT_TICK] += 1
+                schedule(S, live)
             else:
                 copy_page_to_tree(S, Q, tb, lc, live, c)
 
@@ -523,6 +571,7 @@ def build_seq(target: str):
                     continue
                 commit_page(S, p, n)
                 replace_page(S, tb, lc, p)  # replaces any narrower page tb adopted
+            announce(S, tb, EV_STORED_BLOCK, NULL)
             did = True
         elif S.blocks[tb, BLK_NUM_TOKENS] == T and full:  # rebase
             for lc in range(L):
@@ -535,11 +584,14 @@ def build_seq(target: str):
                 if e == NULL:
                     commit_page(S, p, n)
                     replace_page(S, tb, lc, p)
+                    announce(S, tb, EV_STORED_LIFE_CYCLE, lc)
                 else:
                     kind = Q.kinds[o, lc]
                     hold(S, e, kind)
                     set_entry(Q, o, lc, e, kind)
-                    release(S, p, kind)  # our own uncommitted page
+                    release(S, p, kind)  # our own uncommitted page (its GPU slot is free now)
+                    if kind == LOCK:
+                        to_gpu(S, e)
             did = True
         else:
             Q.scalars[Q_COMMIT_STATE] = VIRTUAL_STOP  # our partial tail is covered already
@@ -569,13 +621,22 @@ def build_seq(target: str):
         parent = tree_parent(S, Q, o, out)
         add_or_get(S, parent, Q.tokens, o * T, n, out)
         tb = out[0]
+        is_new = out[1] == 1
         ref_block(S, tb)
         for lc in range(L):
             p = Q.pages[o, lc]
+            Q.counts[lc] = 0
             if S.lc_kind[lc] != KIND_SSM and p != NULL and coverage(S, tb, lc) < n:
-                copy_page_to_tree(S, Q, tb, lc, p, n)
+                if copy_page_to_tree(S, Q, tb, lc, p, n):
+                    Q.counts[lc] = 1  # attached
         if ssm:
             snapshot_ssm(S, Q, tb, o * T + n, False)
+        if is_new:
+            announce(S, tb, EV_STORED_BLOCK, NULL)
+        else:
+            for lc in range(L):
+                if Q.counts[lc] == 1:
+                    announce(S, tb, EV_STORED_LIFE_CYCLE, lc)
         unref_block(S, tb)
 
     @call
@@ -647,9 +708,8 @@ def build_seq(target: str):
         Q.scalars[Q_STATUS] = CLOSED
 
     @call
-    def seq_op(S, Q, op):
+    def seq_step(S, Q, op):
         out = Q.out
-        Q.scalars[Q_NUM_COPIES] = 0
         Q.scalars[Q_RESULT] = 1
         if op == SEQ_SETUP_REUSE:
             setup_reuse(S, Q, Q.args[0], Q.args[1])
@@ -667,6 +727,12 @@ def build_seq(target: str):
             stop_committing(S, Q, out)
         elif op == SEQ_CLOSE:
             close(S, Q, out)
+
+    @call
+    def seq_op(S, Q, op):
+        begin_launch(S)
+        seq_step(S, Q, op)
+        end_launch(S)
 
     return seq_op
 

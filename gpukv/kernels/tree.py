@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..backend import bind_globals, device_jit
-from ..config import KIND_FULL, KIND_SSM
+from ..config import DEFAULT_PRIORITY, KIND_FULL, KIND_SSM
 from ..layout import (
     BLK_DIGEST,
     BLK_FIRST_CHILD,
@@ -45,20 +45,45 @@ from ..layout import (
     CNT_LIVE_BLOCKS,
     CNT_LOG_LEN,
     CNT_SERIAL,
+    CNT_NUM_COPIES,
+    CNT_DROPPED,
+    CNT_EVICT_FIRST,
+    CNT_EVICTED,
+    CNT_LATE_LEN,
+    CNT_LOG_TOKENS_LEN,
+    CNT_MIGRATED,
+    CNT_TICK,
+    COPY_DST_INDEX,
+    COPY_DST_LEVEL,
+    COPY_LIFE_CYCLE,
+    COPY_SRC_INDEX,
+    COPY_SRC_LEVEL,
+    ERR_COPIES_FULL,
     ERR_LOG_FULL,
     ERR_NON_FULL_PARENT,
     ERR_OUT_OF_BLOCKS,
+    EV_PAGE_INFO,
     EV_REMOVED,
     EV_REMOVED_LIFE_CYCLE,
+    EV_STORED_BLOCK,
+    EV_UPDATED,
     EV_ROOT_REMOVED,
     EV_CREATED,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
     LOG_BLOCK,
+    LOG_COVERS,
     LOG_DIGEST,
     LOG_KIND,
+    LOG_LEVEL,
     LOG_LIFE_CYCLE,
+    LOG_NUM_TOKENS,
+    LOG_OLD_LEVEL,
+    LOG_PARENT_DIGEST,
+    LOG_PARENT_IS_ROOT,
+    LOG_PRIORITY,
+    LOG_TOKENS_AT,
     NULL,
     PAGE_BLOCK,
     PAGE_COMMITTED,
@@ -68,7 +93,9 @@ from ..layout import (
     PAGE_LEVEL,
     PAGE_LIFE_CYCLE,
     PAGE_LOCKS,
+    PAGE_LRU_TICK,
     PAGE_PLANNED_DROPS,
+    PAGE_POOL_INDEX,
     PAGE_PRIORITY,
     PAGE_SERIAL,
     PAGE_STATE,
@@ -79,7 +106,6 @@ from .keys import build_keys
 from .sha256 import build_sha256
 
 NUM_LEVELS = 2  # cache levels: 0 = GPU, 1 = host
-DEFAULT_PRIORITY = 35
 
 
 def build_tree(target: str) -> SimpleNamespace:
@@ -219,16 +245,20 @@ def _build_tree(target: str) -> SimpleNamespace:
 
     @jit
     def log(S, kind, r, lc):
+        """Append a change-log record; returns its index, or NULL when full."""
         n = S.counters[CNT_LOG_LEN]
         if n >= S.log.shape[0]:
             S.counters[CNT_ERROR] = ERR_LOG_FULL
-            return
+            return NULL
+        for c in range(S.log.shape[1]):
+            S.log[n, c] = 0
         S.log[n, LOG_KIND] = kind
         S.log[n, LOG_LIFE_CYCLE] = lc
         S.log[n, LOG_BLOCK] = r
         for w in range(4):
             S.log[n, LOG_DIGEST + w] = S.blocks[r, BLK_DIGEST + w]
         S.counters[CNT_LOG_LEN] = n + 1
+        return n
 
     # -- pages and slots (§2.1) -----------------------------------------------
     @jit
@@ -246,34 +276,84 @@ def _build_tree(target: str) -> SimpleNamespace:
         S.slots[row, SLOT_PAGE] = page
         S.slots[row, SLOT_COVERAGE] = cov
 
+    # -- page rows and storage (§1.4) ----------------------------------------------
     @jit
-    def alloc_page(S, lc, level):
-        pool = lc * NUM_LEVELS + level
+    def pool_of(lc, level):
+        return lc * NUM_LEVELS + level
+
+    @jit
+    def last_level(S, lc):
+        """The coldest cache level the life cycle has slots at."""
+        return 1 if S.pool_size[pool_of(lc, 1)] > 0 else 0
+
+    @jit
+    def pop_storage(S, lc, level):
+        pool = pool_of(lc, level)
+        top = S.pool_top[pool] - 1
+        S.pool_top[pool] = top
+        return S.page_free[S.pool_start[pool] + top]
+
+    @jit
+    def push_storage(S, lc, level, index):
+        pool = pool_of(lc, level)
         top = S.pool_top[pool]
-        if top == 0:
+        S.page_free[S.pool_start[pool] + top] = index
+        S.pool_top[pool] = top + 1
+
+    @jit
+    def alloc_page(S, lc, level, priority):
+        """A fresh page with a storage slot at ``level``; NULL when the pool has
+        no free slot (callers make room first, see ``make_room``)."""
+        if S.pool_top[pool_of(lc, level)] == 0:
             return NULL
-        p = S.page_free[S.pool_start[pool] + top - 1]
-        S.pool_top[pool] = top - 1
+        top = S.row_top[lc] - 1
+        S.row_top[lc] = top
+        p = S.row_free[S.row_start[lc] + top]
+        S.pages[p, PAGE_LEVEL] = level
+        S.pages[p, PAGE_POOL_INDEX] = pop_storage(S, lc, level)
         S.pages[p, PAGE_BLOCK] = NULL
         S.pages[p, PAGE_COVERAGE] = 0
         S.pages[p, PAGE_HOLDERS] = 0
         S.pages[p, PAGE_LOCKS] = 0
         S.pages[p, PAGE_PLANNED_DROPS] = 0
-        S.pages[p, PAGE_PRIORITY] = DEFAULT_PRIORITY
+        S.pages[p, PAGE_PRIORITY] = priority
         S.pages[p, PAGE_STATE] = PAGE_COMMITTED
+        S.pages[p, PAGE_LRU_TICK] = NULL
         S.pages[p, PAGE_SERIAL] = S.counters[CNT_SERIAL]
         S.counters[CNT_SERIAL] += 1
         return p
 
     @jit
     def free_page(S, p):
-        pool = S.pages[p, PAGE_LIFE_CYCLE] * NUM_LEVELS + S.pages[p, PAGE_LEVEL]
-        top = S.pool_top[pool]
-        S.page_free[S.pool_start[pool] + top] = p
-        S.pool_top[pool] = top + 1
+        lc = S.pages[p, PAGE_LIFE_CYCLE]
+        push_storage(S, lc, S.pages[p, PAGE_LEVEL], S.pages[p, PAGE_POOL_INDEX])
+        top = S.row_top[lc]
+        S.row_free[S.row_start[lc] + top] = p
+        S.row_top[lc] = top + 1
         S.pages[p, PAGE_STATE] = PAGE_FREE
         S.pages[p, PAGE_BLOCK] = NULL
         S.pages[p, PAGE_COVERAGE] = 0
+        S.pages[p, PAGE_LEVEL] = NULL
+        S.pages[p, PAGE_POOL_INDEX] = NULL
+
+    @jit
+    def record_copy(S, lc, src_level, src_index, dst_level, dst_index):
+        """Page data the host copies after the launch, in recording order."""
+        k = S.counters[CNT_NUM_COPIES]
+        if k >= S.copies.shape[0]:
+            S.counters[CNT_ERROR] = ERR_COPIES_FULL
+            return
+        S.copies[k, COPY_LIFE_CYCLE] = lc
+        S.copies[k, COPY_SRC_LEVEL] = src_level
+        S.copies[k, COPY_SRC_INDEX] = src_index
+        S.copies[k, COPY_DST_LEVEL] = dst_level
+        S.copies[k, COPY_DST_INDEX] = dst_index
+        S.counters[CNT_NUM_COPIES] = k + 1
+
+    @jit
+    def copy_page_data(S, src, dst):
+        record_copy(S, S.pages[src, PAGE_LIFE_CYCLE], S.pages[src, PAGE_LEVEL], S.pages[src, PAGE_POOL_INDEX],
+                    S.pages[dst, PAGE_LEVEL], S.pages[dst, PAGE_POOL_INDEX])
 
     @jit
     def is_droppable(S, p):
@@ -435,6 +515,233 @@ def _build_tree(target: str) -> SimpleNamespace:
         if linked:
             clear_stale_blocks_after_page_unlink(S, r, lc)
 
+    # -- KV cache event announcements (§4) -----------------------------------------
+    @call
+    def announce(S, r, kind, lc):
+        """An EV_STORED_BLOCK or EV_STORED_LIFE_CYCLE record for block ``r`` with
+        its parent, its tokens, and one EV_PAGE_INFO record per life cycle
+        whose slot holds a page. Which life cycles get announced is the event
+        manager's call (it knows what was announced before)."""
+        n = log(S, kind, r, lc)
+        if n == NULL:
+            return
+        parent = S.blocks[r, BLK_PARENT]
+        if parent != NULL:
+            for w in range(4):
+                S.log[n, LOG_PARENT_DIGEST + w] = S.blocks[parent, BLK_DIGEST + w]
+        S.log[n, LOG_PARENT_IS_ROOT] = 1 if parent == NULL or is_root(S, parent) else 0
+        nt = S.blocks[r, BLK_NUM_TOKENS]
+        S.log[n, LOG_NUM_TOKENS] = nt
+        k = S.counters[CNT_LOG_TOKENS_LEN]
+        if k >= S.log_tokens.shape[0]:
+            S.counters[CNT_ERROR] = ERR_LOG_FULL
+            return
+        for i in range(nt):
+            S.log_tokens[k, i] = S.tokens[r, i]
+        S.log[n, LOG_TOKENS_AT] = k
+        S.counters[CNT_LOG_TOKENS_LEN] = k + 1
+        for l2 in range(S.lc_kind.shape[0]):
+            p = page_of(S, r, l2)
+            if p == NULL:
+                continue
+            m = log(S, EV_PAGE_INFO, r, l2)
+            if m != NULL:
+                S.log[m, LOG_COVERS] = 1 if coverage(S, r, l2) >= nt else 0
+                S.log[m, LOG_LEVEL] = S.pages[p, PAGE_LEVEL]
+                S.log[m, LOG_PRIORITY] = S.pages[p, PAGE_PRIORITY]
+
+    # -- the eviction controller (§2.11) -------------------------------------------
+    # One prioritized LRU per (life cycle, cache level), kept implicitly: a
+    # page's place is (priority, lru_tick). ``evict.py`` lists the best
+    # candidates of each pool with a batched pass over the page table before
+    # a launch that may need room; pages scheduled during the launch go to the
+    # late list; a full scan is the fallback when neither can answer.
+    @jit
+    def evictable(S, p):
+        """(DROPPABLE and committed) or (HELD and not at the last level); a
+        LOCKED page never is."""
+        if S.pages[p, PAGE_STATE] != PAGE_COMMITTED or S.pages[p, PAGE_LOCKS] != 0:
+            return False
+        return S.pages[p, PAGE_HOLDERS] == 0 or S.pages[p, PAGE_LEVEL] < last_level(S, S.pages[p, PAGE_LIFE_CYCLE])
+
+    @jit
+    def schedule(S, p):
+        """``p`` joins the tail of its LRU (or leaves it, if no longer evictable)."""
+        t = S.counters[CNT_TICK]
+        S.counters[CNT_TICK] = t + 1
+        S.pages[p, PAGE_LRU_TICK] = t
+        if evictable(S, p):
+            n = S.counters[CNT_LATE_LEN]
+            if n < S.late.shape[0]:
+                S.late[n, 0] = p
+                S.late[n, 1] = t
+            S.counters[CNT_LATE_LEN] = n + 1  # beyond the capacity it counts an overflow
+
+    @jit
+    def schedule_first(S, p):
+        """An evict-first push: ``p`` goes to the head of its LRU."""
+        S.counters[CNT_EVICT_FIRST] += 1
+        t = -1 - S.counters[CNT_EVICT_FIRST]  # below every tick, and never NULL
+        S.pages[p, PAGE_LRU_TICK] = t
+        if evictable(S, p):
+            n = S.counters[CNT_LATE_LEN]
+            if n < S.late.shape[0]:
+                S.late[n, 0] = p
+                S.late[n, 1] = t
+            S.counters[CNT_LATE_LEN] = n + 1
+
+    @jit
+    def is_candidate(S, p, lc, level):
+        if S.pages[p, PAGE_LIFE_CYCLE] != lc or S.pages[p, PAGE_LEVEL] != level or not evictable(S, p):
+            return False
+        return S.pages[p, PAGE_HOLDERS] == 0 or S.no_host_room[lc] == 0
+
+    @jit
+    def evicts_before(S, p, q):
+        """Eviction order: lower priority first, then least recently scheduled."""
+        if q == NULL:
+            return True
+        a = S.pages[p, PAGE_PRIORITY]
+        b = S.pages[q, PAGE_PRIORITY]
+        return a < b or (a == b and S.pages[p, PAGE_LRU_TICK] < S.pages[q, PAGE_LRU_TICK])
+
+    @call
+    def next_victim(S, lc, level):
+        """The page to evict next from (lc, level), or NULL when none may go."""
+        pool = pool_of(lc, level)
+        listed = NULL
+        while S.victim_next[pool] < S.victim_count[pool]:
+            i = S.victim_next[pool]
+            v = S.victims[pool, i]
+            if S.pages[v, PAGE_LRU_TICK] == S.victim_ticks[pool, i] and is_candidate(S, v, lc, level):
+                listed = v
+                break
+            S.victim_next[pool] = i + 1  # evicted, rescheduled or taken since it was listed
+        best = listed
+        n = S.counters[CNT_LATE_LEN]
+        for j in range(min(n, S.late.shape[0])):
+            v = S.late[j, 0]
+            if S.pages[v, PAGE_LRU_TICK] == S.late[j, 1] and is_candidate(S, v, lc, level) and evicts_before(S, v, best):
+                best = v
+        unknown = S.victim_total[pool] < 0 or S.victim_total[pool] > S.victim_count[pool] or n > S.late.shape[0]
+        if best == NULL and unknown:
+            start = S.row_start[lc]
+            end = start + S.pool_size[pool_of(lc, 0)] + S.pool_size[pool_of(lc, 1)]
+            for v in range(start, end):
+                if is_candidate(S, v, lc, level) and evicts_before(S, v, best):
+                    best = v
+        if best != NULL and best == listed:
+            S.victim_next[pool] += 1
+        return best
+
+    @call
+    def move_page(S, p, level):
+        """Migrate ``p`` to a free slot at ``level``: the same page row, the same
+        block link, its data copied; an updated event when it is linked."""
+        lc = S.pages[p, PAGE_LIFE_CYCLE]
+        old = S.pages[p, PAGE_LEVEL]
+        index = S.pages[p, PAGE_POOL_INDEX]
+        new_index = pop_storage(S, lc, level)
+        record_copy(S, lc, old, index, level, new_index)
+        push_storage(S, lc, old, index)
+        S.pages[p, PAGE_LEVEL] = level
+        S.pages[p, PAGE_POOL_INDEX] = new_index
+        r = S.pages[p, PAGE_BLOCK]
+        if r != NULL and is_attached(S, r):
+            m = log(S, EV_UPDATED, r, lc)
+            if m != NULL:
+                S.log[m, LOG_OLD_LEVEL] = old
+                S.log[m, LOG_LEVEL] = level
+                S.log[m, LOG_PRIORITY] = S.pages[p, PAGE_PRIORITY]
+        schedule(S, p)
+
+    @call
+    def drop(S, p):
+        """Evicted from its last level: the page dies and the tree cleans up."""
+        S.counters[CNT_DROPPED] += 1
+        page_death(S, p)
+
+    @call
+    def room_on_host(S, lc):
+        """One free host slot for ``lc``, dropping host pages if needed."""
+        host = pool_of(lc, 1)
+        while S.pool_top[host] == 0:
+            v = next_victim(S, lc, 1)
+            if v == NULL:
+                return False
+            drop(S, v)
+        return True
+
+    @call
+    def make_room(S, lc, level, need):
+        """Free slots first, then evict, until ``level`` has ``need`` free slots
+        for ``lc``. GPU victims migrate to the host tier when there is one
+        (dropping droppable pages when it is full of held ones); host victims
+        die. False when nothing more may be evicted."""
+        pool = pool_of(lc, level)
+        while S.pool_top[pool] < need:
+            v = next_victim(S, lc, level)
+            if v == NULL:
+                return False
+            if level == 0:
+                S.counters[CNT_EVICTED] += 1
+            if level < last_level(S, lc):
+                if room_on_host(S, lc):
+                    if S.pages[v, PAGE_STATE] == PAGE_COMMITTED:  # dropping host pages may have killed it
+                        S.counters[CNT_MIGRATED] += 1
+                        move_page(S, v, 1)
+                    continue
+                if S.pages[v, PAGE_HOLDERS] > 0:
+                    S.no_host_room[lc] = 1  # no held page can migrate during this launch
+                    if level == 0:
+                        S.counters[CNT_EVICTED] -= 1
+                    continue
+            drop(S, v)
+        return True
+
+    @call
+    def available(S, lc, own_held):
+        """GPU slots ``lc`` could have now: free ones plus what eviction may free
+        (droppable pages; held ones too while the host tier has room for them).
+        ``own_held`` of the held ones are about to be locked by the caller. A
+        lower bound: every all-or-nothing allocation checks it first."""
+        pool = pool_of(lc, 0)
+        if S.victim_total[pool] >= 0:  # counted by the batched pass before the launch
+            droppable = S.evict_counts[lc, 0]
+            held = S.evict_counts[lc, 1]
+            host_droppable = S.evict_counts[lc, 2]
+        else:
+            droppable = 0
+            held = 0
+            host_droppable = 0
+            start = S.row_start[lc]
+            for p in range(start, start + S.pool_size[pool] + S.pool_size[pool_of(lc, 1)]):
+                if evictable(S, p):
+                    if S.pages[p, PAGE_LEVEL] == 1:
+                        host_droppable += 1
+                    elif S.pages[p, PAGE_HOLDERS] == 0:
+                        droppable += 1
+                    else:
+                        held += 1
+        free = S.pool_top[pool] + droppable
+        if last_level(S, lc) == 0:
+            return free
+        return free + min(max(0, held - own_held), S.pool_top[pool_of(lc, 1)] + host_droppable)
+
+    @jit
+    def begin_launch(S):
+        S.counters[CNT_LATE_LEN] = 0
+        for lc in range(S.no_host_room.shape[0]):
+            S.no_host_room[lc] = 0
+
+    @jit
+    def end_launch(S):
+        """Victim lists are good for one launch only."""
+        for pool in range(S.victim_count.shape[0]):
+            S.victim_count[pool] = 0
+            S.victim_next[pool] = 0
+            S.victim_total[pool] = -1
+
     @call
     def clear_tree(S):
         """Remove every root's subtree, roots in creation order (idempotent;
@@ -577,6 +884,18 @@ def _build_tree(target: str) -> SimpleNamespace:
         maybe_free_orphan=maybe_free_orphan,
         is_attached=is_attached,
         is_root=is_root,
+        record_copy=record_copy,
+        copy_page_data=copy_page_data,
+        last_level=last_level,
+        evictable=evictable,
+        schedule=schedule,
+        schedule_first=schedule_first,
+        make_room=make_room,
+        available=available,
+        move_page=move_page,
+        announce=announce,
+        begin_launch=begin_launch,
+        end_launch=end_launch,
     )
 
 
@@ -590,6 +909,8 @@ OP_CLEAR = 6
 OP_CLEAR_STALE = 7  # args: block, life cycle
 OP_RELEASE_REF = 8  # args: block
 OP_INSERT = 9  # args: scope id, scope key, tokens, root digest[4]; toks = the sequence
+OP_ANNOUNCE = 10  # args: block, EV_STORED_BLOCK or EV_STORED_LIFE_CYCLE, life cycle
+OP_EVICT = 11  # args: life cycle, level, free slots wanted -> out[0] = 1 when there are
 
 
 @functools.lru_cache(maxsize=None)
@@ -600,11 +921,14 @@ def build_tree_kernel(target: str):
     # Numba resolves globals and closure cells, not namespace attributes.
     get_or_create_root, add_or_get, can_replace_page = t.get_or_create_root, t.add_or_get, t.can_replace_page
     alloc_page, replace_page, unlink_page, page_death = t.alloc_page, t.replace_page, t.unlink_page, t.page_death
+    free_page = t.free_page
     remove_subtree, clear_tree, clear_stale = t.remove_subtree, t.clear_tree, t.clear_stale_blocks_after_page_unlink
     maybe_free_orphan = t.maybe_free_orphan
+    make_room, schedule, announce = t.make_room, t.schedule, t.announce
+    begin_launch, end_launch = t.begin_launch, t.end_launch
 
     @call
-    def tree_op(S, op, args, toks, out):
+    def tree_step(S, op, args, toks, out):
         if op == OP_ADD:
             root = get_or_create_root(S, args[0], args[1], args[4:8])
             out[2] = root
@@ -617,12 +941,15 @@ def build_tree_kernel(target: str):
             r = args[0]
             lc = args[1]
             out[0] = NULL
-            if can_replace_page(S, r, lc, args[2]):
-                p = alloc_page(S, lc, 0)
-                if p != NULL:
-                    S.pages[p, PAGE_COVERAGE] = args[2]
+            if can_replace_page(S, r, lc, args[2]) and make_room(S, lc, 0, 1):
+                p = alloc_page(S, lc, 0, args[3])
+                S.pages[p, PAGE_COVERAGE] = args[2]
+                if can_replace_page(S, r, lc, args[2]):  # making room may have removed the block's pages, never widened them
                     replace_page(S, r, lc, p)
+                    schedule(S, p)
                     out[0] = p
+                else:
+                    free_page(S, p)
         elif op == OP_UNLINK_PAGE:
             out[0] = unlink_page(S, args[0], args[1], args[2])
         elif op == OP_PAGE_DEATH:
@@ -651,12 +978,15 @@ def build_tree_kernel(target: str):
                     break
                 for lc in range(L):
                     if can_replace_page(S, r, lc, n):
-                        p = alloc_page(S, lc, 0)
+                        p = alloc_page(S, lc, 0, DEFAULT_PRIORITY)
                         if p == NULL:
                             r = NULL
                             break
                         S.pages[p, PAGE_COVERAGE] = n
                         replace_page(S, r, lc, p)
+                        schedule(S, p)
+                if r != NULL and out[1] == 1:
+                    announce(S, r, EV_STORED_BLOCK, NULL)
                 out[3] = j + 1 if r != NULL else j
                 if r == NULL or n < T:
                     break
@@ -665,6 +995,16 @@ def build_tree_kernel(target: str):
         elif op == OP_RELEASE_REF:
             S.blocks[args[0], BLK_REFS] -= 1
             maybe_free_orphan(S, args[0])
+        elif op == OP_ANNOUNCE:
+            announce(S, args[0], args[1], args[2])
+        elif op == OP_EVICT:
+            out[0] = 1 if make_room(S, args[0], args[1], args[2]) else 0
+
+    @call
+    def tree_op(S, op, args, toks, out):
+        begin_launch(S)
+        tree_step(S, op, args, toks, out)
+        end_launch(S)
 
     if target == "cpu":
         from numba import njit

@@ -1,0 +1,96 @@
+"""Choosing eviction victims: a batched pass over the page table (semantics.md §2.11).
+
+Before a launch that may allocate more GPU pages than are free, ``Evictor``
+lists, for each life cycle's GPU and host pools, the best eviction candidates
+in order (lowest priority first, then least recently scheduled) and counts
+what eviction could free. The pass is a handful of array operations over the
+page table, on the backend's device; no loop over pages runs in Python. The
+serial kernels then take victims from these lists in order, checking each one
+is still a candidate (the launch itself may have locked, rescheduled or freed
+it), and merge in the pages scheduled during the launch (``kernels/tree.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kernels.tree import NUM_LEVELS
+from .layout import (
+    PAGE_COMMITTED,
+    PAGE_HOLDERS,
+    PAGE_LEVEL,
+    PAGE_LOCKS,
+    PAGE_LRU_TICK,
+    PAGE_PRIORITY,
+    PAGE_STATE,
+)
+from .tables import Tables
+
+TICK_BIAS = 1 << 41  # ticks (negative for evict-first pushes) shifted to sort as unsigned
+SLACK = 16  # extra candidates listed, for victims the launch itself takes away
+
+
+class Evictor:
+    def __init__(self, tables: Tables):
+        self.tables = tables
+        self.backend = tables.backend
+        config = tables.config
+        self._gpu = np.array(config.pages_per_life_cycle_list(), dtype=np.int64)
+        self._host = np.array(config.pages_per_life_cycle_list(host=True), dtype=np.int64)
+        self._row_start = np.concatenate([[0], np.cumsum(self._gpu + self._host)[:-1]]).astype(np.int64)
+
+    def prepare(self, need) -> None:
+        """Make victim lists for every life cycle whose free GPU slots are fewer
+        than ``need[lc]`` (an upper bound on what the next launch allocates)."""
+        t = self.tables
+        if not len(need):
+            return
+        free = self.backend.to_host(t.pool_top).reshape(-1, NUM_LEVELS)[:, 0]
+        short = [lc for lc, n in enumerate(need) if n > free[lc]]
+        for lc in short:
+            self._list(lc, int(need[lc] - free[lc]) + SLACK)
+
+    def _list(self, lc: int, k: int) -> None:
+        t = self.tables
+        xp = t.xp
+        start = int(self._row_start[lc])
+        rows = t.pages[start:start + int(self._gpu[lc] + self._host[lc])]
+        host_tier = self._host[lc] > 0
+        level = rows[:, PAGE_LEVEL]
+        holders = rows[:, PAGE_HOLDERS]
+        movable = (rows[:, PAGE_STATE] == PAGE_COMMITTED) & (rows[:, PAGE_LOCKS] == 0)
+        droppable = movable & (holders == 0)
+        held = movable & (holders > 0) & (level == 0) & bool(host_tier)
+        key = (rows[:, PAGE_PRIORITY] << 42) + (rows[:, PAGE_LRU_TICK] + TICK_BIAS)
+        gpu = (droppable | held) & (level == 0)
+        host = droppable & (level == 1)
+        counts = np.array(
+            [int(xp.count_nonzero(droppable & (level == 0))), int(xp.count_nonzero(held)), int(xp.count_nonzero(host))],
+            dtype=np.int64,
+        )
+        t.evict_counts[lc] = self.backend.to_device(counts)
+        self._write(lc * NUM_LEVELS, start, rows, xp.nonzero(gpu)[0], key, k)
+        if host_tier:
+            self._write(lc * NUM_LEVELS + 1, start, rows, xp.nonzero(host)[0], key, k)
+
+    def _write(self, pool: int, start: int, rows, candidates, key, k: int) -> None:
+        """The ``k`` best candidates of one pool, best first, into its list."""
+        t = self.tables
+        xp = t.xp
+        total = int(candidates.size)
+        keys = key[candidates]
+        if total > k:
+            part = xp.argpartition(keys, k - 1)[:k]
+            candidates, keys = candidates[part], keys[part]
+        order = xp.argsort(keys)
+        best = candidates[order]
+        n = int(best.size)
+        if t.victims.shape[1] < n:
+            width = max(n, 2 * t.victims.shape[1])
+            t.victims = xp.zeros((t.victims.shape[0], width), dtype=np.int64)
+            t.victim_ticks = xp.zeros((t.victims.shape[0], width), dtype=np.int64)
+        t.victims[pool, :n] = best + start
+        t.victim_ticks[pool, :n] = rows[best, PAGE_LRU_TICK]
+        t.victim_count[pool] = n
+        t.victim_next[pool] = 0
+        t.victim_total[pool] = total
