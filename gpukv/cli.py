@@ -1,10 +1,12 @@
 """The ``gpukv`` command.
 
-- ``gpukv match`` (the default): replay a workload (built-in synthetic chats,
-  or a Mooncake trace) the way a scheduler uses the index: each step matches a
-  whole batch of arriving requests in one ``match_batch`` call, then records
-  the finished prompts in the tree. Reports hit rates (and how much came from
-  partial rewind endpoints) and match latency and throughput.
+- ``gpukv simulate`` (the default, also plain ``gpukv``): replay a workload
+  through a small serving-engine scheduler that drives gpukv as an engine
+  would (``match_batch`` over the waiting queue every step, KV caches created
+  with their reuse, prefill and decode commits, eviction under page pressure);
+  see ``gpukv.simulate``. Prints hit rates, evictions and match latency.
+- ``gpukv match``: the index alone: match batches of arriving requests, then
+  insert the finished prompts (no KV caches, no page pressure).
 - ``gpukv info``: the backend, library versions and a default manager's config.
 """
 
@@ -136,13 +138,105 @@ def cmd_match(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    import json
+
+    from . import simulate as sim
+
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {args.limit}")
+    if args.time_scale <= 0:
+        raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
+    if args.conversations < 0:
+        raise ValueError(f"--conversations must be >= 0, got {args.conversations}")
+    if args.no_partial_reuse:
+        if args.policy not in (None, "full-blocks"):
+            raise ValueError("--no-partial-reuse contradicts --policy per-page")
+        args.policy = "full-blocks"
+    policies = list(sim.POLICIES) if args.compare else [args.policy or "per-page"]
+    if args.compare and args.policy is not None:
+        raise ValueError("--compare runs both policies; leave out --policy / --no-partial-reuse")
+    if args.plot:
+        sim.require_matplotlib()
+    runs = []
+    for policy in policies:
+        options = sim.SimOptions(
+            policy=policy, model=args.model, tokens_per_block=args.tokens_per_block, window=args.window,
+            pages=args.pages, host_pages=args.host_pages, max_batch_tokens=args.max_batch_tokens,
+            prefill_chunk=args.prefill_chunk, decode_chunk=args.decode_chunk, max_running=args.max_running,
+            order=args.order, step_ms=args.step_ms, backend=args.backend,
+        )
+        options.validate()
+        if args.trace:
+            workload = sim.trace_workload(args.trace, limit=args.limit, time_scale=args.time_scale)
+        else:
+            workload = sim.default_workload(args.conversations, seed=args.seed,
+                                            tokens_per_block=args.tokens_per_block, duration_s=args.duration)
+            if args.limit is not None:
+                workload.requests = workload.requests[: args.limit]
+        progress = sys.stderr.isatty() and not args.no_progress
+        runs.append(sim.run_simulation(workload, options, progress=progress))
+    summaries = [s for _, s in runs]
+    if args.plot:
+        sim.plot([r for r, _ in runs], args.plot)
+    if args.json:
+        print(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=2))
+    else:
+        print(sim.format_summary(*summaries))
+        if args.plot:
+            print(f"\nfigure: {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "cudasim"])
-    p = argparse.ArgumentParser(prog="gpukv", description="GPU-resident KV-cache prefix-reuse index")
+    p = argparse.ArgumentParser(prog="gpukv", description="GPU-resident KV-cache prefix-reuse index. "
+                                "Without a command, runs `gpukv simulate`.")
     sub = p.add_subparsers(dest="command")
     sub.add_parser("info", parents=[common], help="backend, versions and default config")
-    m = sub.add_parser("match", parents=[common], help="replay a workload through batched reuse matching (the default)")
+
+    s = sub.add_parser(
+        "simulate", parents=[common], help="replay a workload through a scheduler driving gpukv (the default)",
+        description="Replay a workload through a small serving-engine scheduler that uses gpukv the way an "
+                    "engine does, under GPU page pressure, and report reuse, evictions and match latency.",
+    )
+    w = s.add_argument_group("workload")
+    w.add_argument("--trace", metavar="FILE", help="a Mooncake-format JSONL trace (512-token hash ids) instead of "
+                   "the built-in multi-turn chats")
+    w.add_argument("--limit", type=int, metavar="N", help="take the first N requests")
+    w.add_argument("--conversations", type=int, default=200, help="built-in workload: conversations (default 200)")
+    w.add_argument("--duration", type=float, default=60.0, metavar="S",
+                   help="built-in workload: conversations start within S simulated seconds (default 60)")
+    w.add_argument("--seed", type=int, default=0, help="built-in workload: random seed")
+    w.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="trace: divide arrival times by X (2 = twice the load)")
+    c = s.add_argument_group("cache")
+    c.add_argument("--policy", choices=["per-page", "full-blocks"],
+                   help="per-page coverage (default), or reuse of full blocks only")
+    c.add_argument("--no-partial-reuse", action="store_true", help="the same as --policy full-blocks")
+    c.add_argument("--compare", action="store_true", help="run both policies on the same workload, side by side")
+    c.add_argument("--model", choices=["hybrid", "attention"], default="hybrid",
+                   help="hybrid: full attention + sliding window + SSM layers (default); attention: full attention")
+    c.add_argument("--tokens-per-block", type=int, default=64)
+    c.add_argument("--window", type=int, default=1024, help="sliding window of the hybrid model (tokens)")
+    c.add_argument("--pages", type=int, help="GPU pages per life cycle (default: sized for pressure from the workload)")
+    c.add_argument("--host-pages", type=int, default=0, help="host-tier pages per life cycle (default 0: no host tier)")
+    g = s.add_argument_group("scheduler")
+    g.add_argument("--max-batch-tokens", type=int, default=4096, help="tokens computed per step (default 4096)")
+    g.add_argument("--prefill-chunk", type=int, default=2048, help="largest prefill chunk (default 2048)")
+    g.add_argument("--decode-chunk", type=int, default=1, help="tokens a decoding request adds per step (default 1)")
+    g.add_argument("--max-running", type=int, default=64, help="largest running batch (default 64)")
+    g.add_argument("--order", choices=["longest-prefix", "arrival"], default="longest-prefix",
+                   help="admission order of the waiting queue (default longest-prefix)")
+    g.add_argument("--step-ms", type=float, default=25.0, help="simulated duration of a step (default 25 ms)")
+    o = s.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the summary as JSON")
+    o.add_argument("--plot", metavar="FILE.png", help="save a figure: hit rate over time, match latency vs batch size "
+                   "(needs matplotlib: pip install 'gpukv[plot]')")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    m = sub.add_parser("match", parents=[common], help="replay a workload through batched reuse matching only")
     m.add_argument("--trace", help="a Mooncake-format JSONL trace (512-token hash ids)")
     m.add_argument("--limit", type=int, help="take the first N requests")
     m.add_argument("--conversations", type=int, default=300, help="built-in workload size")
@@ -155,22 +249,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+COMMANDS = {"info": cmd_info, "simulate": cmd_simulate, "match": cmd_match}
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not any(a in ("info", "match") for a in argv) and not any(a in ("-h", "--help") for a in argv):
-        argv = ["match", *argv]  # the main job is the default command
-    args = parser.parse_args(argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["simulate", *argv]  # the main job is the default command
     try:
-        if args.command == "info":
-            return cmd_info(args)
-        if args.command == "match":
-            return cmd_match(args)
-    except (ValueError, TypeError, OSError) as e:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has printed the usage and what is wrong
+        return int(e.code or 0)
+    from .backend import BackendError
+    from .simulate import MissingDependency
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, TypeError, OSError, BackendError, MissingDependency) as e:
         print(f"gpukv: error: {e}", file=sys.stderr)
         return 2
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    except KeyboardInterrupt:
+        print("\ngpukv: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

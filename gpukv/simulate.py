@@ -1,0 +1,784 @@
+"""``gpukv simulate``: a small serving-engine scheduler driving gpukv.
+
+The simulator replays a workload through the loop a serving engine runs around
+its KV cache manager, one scheduling step at a time:
+
+1. **Arrivals.** Requests whose arrival time has come join the waiting queue,
+   each with a registered ``TokenSequence`` of its lookup tokens. The next turn
+   of a conversation arrives only after the previous turn has finished.
+2. **Running requests** (in admission order) get this step's tokens out of a
+   token budget: a prefill chunk, or ``decode_chunk`` generated tokens. For
+   each, ``kv.resize(capacity, history)`` asks for the pages, then
+   ``kv.commit(tokens)`` makes the computed tokens reusable. When ``resize``
+   returns False (no room, even after eviction), the newest running request
+   is preempted and the resize retried; a request may preempt itself.
+3. **Admission.** One ``match_batch`` call matches the whole waiting queue
+   (this call is what the latency figures time). The queue is ordered
+   longest-reusable-prefix first (or kept in arrival order), and requests are
+   admitted while the budget lasts: ``create_kv_cache(input_tokens=...)``
+   holds the reused pages, ``resume()`` activates the cache, and the first
+   chunk is scheduled as in step 2. The first refusal ends admission for the
+   step.
+4. **Finished** requests ``close()`` their cache: their pages stay in the
+   tree, evictable, for later requests to reuse.
+
+A request computes its prompt and all but the last output token (the last one
+is sampled and never fed back). It looks up all but the last prompt token: the
+last one is always recomputed, for the logits of the first output token.
+
+**Policies.** ``per-page`` (gpukv's point): every commit is exact, so an
+endpoint inside a block (a turn's end, a prefill chunk's end) is reusable.
+``full-blocks`` runs the same workload the way engines that only reuse whole
+blocks behave: ``enable_partial_reuse=False`` and commits only on block
+boundaries (the history passed to ``resize`` stays at the last committed
+boundary, which ``commit_min_snapshot`` requires).
+
+**Preemption.** With a host tier (``host_pages > 0``) a preempted request is
+suspended (its pages may move to the host) and resumed before new admissions;
+without one it is closed (its committed tokens stay cached) and re-queued at
+the front, to be recomputed from whatever is still reusable. If nothing runs
+and nothing can be admitted, suspended requests are closed; when the manager
+cannot evict at all, the reuse tree is flushed (``clear_reusable_blocks``);
+otherwise the request is rejected as too large for the pool.
+
+The simulation is deterministic for a given workload and options. Time is
+simulated: a step lasts ``step_ms``; while nothing runs, time jumps to the
+next arrival.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import gpukv
+
+from .workload import load_mooncake_trace, synthetic_conversations
+
+POLICIES = ("per-page", "full-blocks")
+ORDERS = ("longest-prefix", "arrival")
+MODELS = ("hybrid", "attention")
+
+
+# -- options ---------------------------------------------------------------------------------
+@dataclass
+class SimOptions:
+    """The scheduler and the cache; see ``gpukv simulate --help`` for each."""
+
+    policy: str = "per-page"
+    model: str = "hybrid"
+    tokens_per_block: int = 64
+    window: int = 1024  # the SWA layers' window (hybrid model)
+    pages: int | None = None  # GPU pages per life cycle; None: sized from the workload (see auto_pages)
+    host_pages: int = 0
+    max_batch_tokens: int = 4096  # tokens computed per step, all requests together
+    prefill_chunk: int = 2048
+    decode_chunk: int = 1
+    max_running: int = 64
+    order: str = "longest-prefix"
+    step_ms: float = 25.0
+    backend: str = "auto"
+
+    def validate(self):
+        def at_least(name, lo):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name.replace('_', '-')} must be an int >= {lo}, got {v!r}")
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        for name, lo in (("tokens_per_block", 1), ("window", 1), ("host_pages", 0), ("max_batch_tokens", 1),
+                         ("prefill_chunk", 1), ("decode_chunk", 1), ("max_running", 1)):
+            at_least(name, lo)
+        if self.pages is not None:
+            at_least("pages", 1)
+        if not (isinstance(self.step_ms, (int, float)) and math.isfinite(self.step_ms) and self.step_ms > 0):
+            raise ValueError(f"step-ms must be a positive number, got {self.step_ms!r}")
+
+    def layers(self) -> list:
+        if self.model == "attention":
+            return [gpukv.Attention()]
+        # One life cycle per distinct spec; how many layers share each does not matter to the index.
+        return [gpukv.Attention(), gpukv.Attention(window=self.window), gpukv.Ssm()]
+
+    def cache_config(self, pages: int) -> gpukv.CacheConfig:
+        return gpukv.CacheConfig(
+            tokens_per_block=self.tokens_per_block,
+            layers=self.layers(),
+            pages_per_life_cycle=pages,
+            host_pages_per_life_cycle=self.host_pages,
+            enable_partial_reuse=self.policy == "per-page",
+            commit_min_snapshot=self.model == "hybrid",  # required with an SSM layer
+            backend=self.backend,
+        )
+
+
+# -- workloads -------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Request:
+    """One request of a workload. Its tokens (prompt, then output) are made on
+    arrival and dropped when it finishes, so a long trace never holds all of
+    them at once."""
+
+    rid: int
+    arrival_ms: float
+    prompt_len: int
+    output_len: int
+    make_tokens: Callable[[], np.ndarray]
+    after: int | None = None  # the rid of the conversation's previous turn, which must finish first
+    kind: str = ""
+    # -- simulation state --
+    tokens: np.ndarray | None = None
+    seq: object = None  # TokenSequence while waiting
+    kv: object = None  # KVCache while admitted
+    done: int = 0  # tokens computed (KV written) so far
+    prefill_end: int = 0  # computed as a prefill up to here: the prompt, or more after a preemption
+    checkpoint: int = 0  # a prefill chunk ends here (see Simulator._step_tokens)
+    reused: int | None = None  # reuse at first admission
+    admitted_step: int = -1
+    finished_ms: float | None = None
+
+    @property
+    def compute_len(self) -> int:
+        """Tokens whose KV is computed: the prompt and all output tokens but the last."""
+        return self.prompt_len + max(self.output_len - 1, 0)
+
+    def lookup_len(self) -> int:
+        """Tokens looked up for reuse: all of the prefill but its last token,
+        which is always computed (for the logits of the next token)."""
+        return self.prefill_end - 1
+
+    def __post_init__(self):
+        self.prefill_end = self.prompt_len
+
+
+@dataclass
+class Workload:
+    requests: list
+    description: str
+
+
+def default_workload(num_conversations: int = 200, seed: int = 0, tokens_per_block: int = 64,
+                     duration_s: float = 60.0) -> Workload:
+    """Multi-turn chats (``workload.synthetic_conversations``): shared system
+    prompts, follow-ups, regenerations and edits that rewind a conversation
+    into the middle of an earlier message.
+
+    Each request's output is the model's reply: when the conversation's next
+    request is a follow-up, the reply is the start of that follow-up's new
+    text (the rest is the user's next message, split at a length drawn from
+    the generator's user-message range), so committing the decoded tokens is
+    what lets the follow-up reuse them. A reply nobody continues (before a
+    regeneration or an edit, or at the end) is random text of the generator's
+    reply length range.
+    """
+    user_tokens, reply_tokens = (10, 400), (20, 600)
+    chats = synthetic_conversations(num_conversations, seed=seed, tokens_per_block=tokens_per_block,
+                                    user_tokens=user_tokens, reply_tokens=reply_tokens, duration_s=duration_s)
+    rng = np.random.default_rng(seed + 1)
+    by_conv: dict[int, list] = {}
+    for r in chats:
+        by_conv.setdefault(r.conversation, []).append(r)
+    nxt = {}
+    for turns in by_conv.values():
+        turns.sort(key=lambda r: r.turn)
+        for a, b in itertools.pairwise(turns):
+            nxt[id(a)] = b
+    index = {id(r): i for i, r in enumerate(chats)}
+    out = []
+    for i, r in enumerate(chats):
+        n = nxt.get(id(r))
+        if n is not None and n.kind == "follow_up":
+            new = n.tokens[r.tokens.size:]
+            user = int(rng.integers(user_tokens[0], user_tokens[1] + 1))
+            reply = new[: max(1, new.size - user)]
+        else:
+            reply = rng.integers(0, 32000, size=int(rng.integers(reply_tokens[0], reply_tokens[1] + 1)),
+                                 dtype=np.int32)
+        tokens = np.concatenate([r.tokens, reply])
+        prev = None
+        if r.turn > 0:
+            prev = index[id(by_conv[r.conversation][r.turn - 1])]
+        out.append(Request(i, r.timestamp * 1e3, r.tokens.size, reply.size, lambda t=tokens: t, prev, r.kind))
+    desc = (f"built-in chats: {num_conversations} conversations, {len(out)} requests "
+            f"(seed {seed}, arrivals over {duration_s:g} s)")
+    return Workload(out, desc)
+
+
+def trace_workload(path, limit: int | None = None, time_scale: float = 1.0) -> Workload:
+    """The requests of a Mooncake-format trace; each 512-token hash id expands
+    to deterministic tokens (``TraceRequest.tokens``). The output tokens are
+    deterministic random text per request (a trace does not say what the model
+    answered). ``time_scale`` divides the arrival times (2 = twice the load)."""
+    trace = load_mooncake_trace(path, limit=limit)
+    out = []
+    for i, t in enumerate(trace):
+        def make(t=t, i=i):
+            out_tokens = np.random.default_rng(i).integers(0, 2**31 - 1, size=t.output_length, dtype=np.int32)
+            return np.concatenate([t.tokens(), out_tokens])
+        out.append(Request(i, float(t.timestamp) / time_scale, t.input_length, t.output_length, make))
+    return Workload(out, f"trace {path}: {len(out)} requests")
+
+
+def auto_pages(requests: list, options: SimOptions) -> int:
+    """A GPU pool under real pressure: the pages of a quarter of the
+    workload's tokens, but at least twice the longest request and one prefill
+    chunk per running slot, so every request fits and a full batch can run."""
+    T = options.tokens_per_block
+    blocks = [-(-r.compute_len // T) for r in requests] or [1]
+    longest = max(blocks)
+    batch = options.max_running * -(-options.prefill_chunk // T)
+    return int(max(2 * longest + 8, min(batch, 4 * longest), sum(blocks) // 4))
+
+
+# -- the scheduler ---------------------------------------------------------------------------
+@dataclass
+class Stats:
+    steps: int = 0
+    requests: int = 0
+    finished: int = 0
+    input_tokens: int = 0
+    reused_tokens: int = 0
+    partial_reused_tokens: int = 0  # reused tokens past the last block boundary of a reuse
+    partial_reuses: int = 0
+    reuses: int = 0
+    ssm_hits: int = 0
+    computed_tokens: int = 0
+    committed_tokens: int = 0
+    commit_calls: int = 0
+    preemptions: int = 0
+    readmissions: int = 0
+    readmission_reused_tokens: int = 0
+    flushes: int = 0
+    rejected: int = 0
+    peak_running: int = 0
+    peak_waiting: int = 0
+    evicted: int = 0
+    migrated: int = 0
+    dropped: int = 0
+    eviction_stats: bool = False
+    match_latency_s: list = field(default_factory=list)
+    match_batch: list = field(default_factory=list)
+    match_tokens: list = field(default_factory=list)
+    kv_call_s: float = 0.0
+    timeline: list = field(default_factory=list)  # (simulated ms, input tokens, reused tokens) per step
+    manager_reuse: dict = field(default_factory=dict)
+
+
+class Simulator:
+    def __init__(self, workload: Workload, options: SimOptions, progress=None):
+        options.validate()
+        self.options = options
+        self.workload = workload
+        self.pages = options.pages or auto_pages(workload.requests, options)
+        self.mgr = gpukv.KVCacheManager(options.cache_config(self.pages))
+        self.T = options.tokens_per_block
+        self.full_blocks = options.policy == "full-blocks"
+        self.swap = options.host_pages > 0
+        self.has_ssm = self.mgr.ssm_life_cycle_id is not None
+        self.min_snapshot = self.mgr.config.commit_min_snapshot
+        self.can_evict = hasattr(self.mgr, "get_and_reset_eviction_stats")
+        self.stats = Stats(eviction_stats=self.can_evict)
+        self.progress = progress
+        reqs = workload.requests
+        self.pending = deque(r for r in reqs if r.after is None)  # in arrival order
+        self.blocked = {}  # rid of a previous turn -> requests waiting for it to finish
+        for r in reqs:
+            if r.after is not None:
+                self.blocked.setdefault(r.after, []).append(r)
+        self.released: list = []  # turns released by a finished predecessor, not yet arrived
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.swapped: deque = deque()
+        self.now = 0.0
+        self.total = len(reqs)
+        self._flushed = False
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self) -> Stats:
+        s = self.stats
+        while self.stats.finished + self.stats.rejected < self.total:
+            if not self.running and not self.waiting and not self.swapped:
+                nxt = self._next_arrival()
+                if nxt is None:
+                    raise RuntimeError("simulation stalled with no pending arrival")  # a bug, not bad input
+                self.now = max(self.now, nxt)
+            self._arrive()
+            budget = self.options.max_batch_tokens
+            budget = self._run_running(budget)
+            admitted = self._admit(budget)
+            if not self.running and not admitted and (self.waiting or self.swapped):
+                self._unstick()
+            s.steps += 1
+            s.peak_running = max(s.peak_running, len(self.running))
+            s.timeline.append((self.now, s.input_tokens, s.reused_tokens))
+            self.now += self.options.step_ms
+            self._collect_manager_stats()
+            if self.progress is not None:
+                self.progress(self)
+        self._collect_manager_stats()
+        return s
+
+    def _next_arrival(self):
+        times = [r.arrival_ms for r in self.released]
+        if self.pending:
+            times.append(self.pending[0].arrival_ms)
+        return min(times) if times else None
+
+    def _arrive(self):
+        came = []
+        while self.pending and self.pending[0].arrival_ms <= self.now:
+            came.append(self.pending.popleft())
+        if self.released:
+            came += [r for r in self.released if r.arrival_ms <= self.now]
+            self.released = [r for r in self.released if r.arrival_ms > self.now]
+        for r in sorted(came, key=lambda r: (r.arrival_ms, r.rid)):
+            r.tokens = r.make_tokens()
+            r.seq = self.mgr.token_sequence(r.tokens[: r.lookup_len()])
+            self.waiting.append(r)
+            self.stats.requests += 1
+            self.stats.input_tokens += r.prompt_len
+        self.stats.peak_waiting = max(self.stats.peak_waiting, len(self.waiting))
+
+    # -- growing a request by a step's tokens ------------------------------------------------
+    def _step_tokens(self, r: Request, budget: int) -> int:
+        """Tokens ``r`` computes this step: a prefill chunk or a decode chunk.
+
+        A prefill chunk ends on a block boundary unless it ends the prefill, and
+        at ``r.checkpoint`` when it passes it: where the request's tokens
+        branch off the tree (``num_tokens_before_pruning`` of its match).
+        Under ``commit_min_snapshot`` only commit endpoints are reusable (SWA
+        pages out of the window and SSM states between endpoints are not
+        kept), so an endpoint at the branch point is what lets the next
+        request sharing that prefix (say, the same system prompt) reuse it."""
+        if r.done < r.prefill_end:
+            n1 = min(r.prefill_end, r.done + min(self.options.prefill_chunk, budget))
+            if r.done < r.checkpoint < n1:
+                n1 = r.checkpoint
+            elif n1 < r.prefill_end and n1 // self.T * self.T > r.done:
+                n1 = n1 // self.T * self.T
+            return n1 - r.done
+        return min(self.options.decode_chunk, r.compute_len - r.done, budget)
+
+    def _grow(self, r: Request, k: int) -> bool:
+        """Pages for the next ``k`` tokens, then commit them. False (nothing
+        changed) when the pools cannot make room."""
+        kv = r.kv
+        n1 = r.done + k
+        t0 = time.perf_counter()
+        # The history passed is the committed length: exact under per-page
+        # commits; under full-block commits it stays at the last committed
+        # block boundary (commit_min_snapshot needs history == committed).
+        if not kv.resize(n1, kv.num_committed_tokens):
+            self.stats.kv_call_s += time.perf_counter() - t0
+            return False
+        # Commit up to the last block boundary reached, then (per-page only)
+        # the rest: an endpoint inside a block. Under commit_min_snapshot each
+        # commit's end is an SSM checkpoint, so both policies checkpoint every
+        # block boundary a step crosses, and per-page also the exact endpoint.
+        c0, edge = kv.num_committed_tokens, n1 // self.T * self.T
+        if edge > c0:
+            self._commit(r, c0, edge)
+            c0 = edge
+        if not self.full_blocks and n1 > c0:
+            self._commit(r, c0, n1)
+        self.stats.kv_call_s += time.perf_counter() - t0
+        r.done = n1
+        self.stats.computed_tokens += k
+        return True
+
+    def _commit(self, r: Request, c0: int, c1: int):
+        r.kv.commit(r.tokens[c0:c1], is_end=not self.full_blocks and c1 == r.compute_len)
+        self.stats.committed_tokens += c1 - c0
+        self.stats.commit_calls += 1
+
+    def _run_running(self, budget: int) -> int:
+        for r in list(self.running):
+            if budget <= 0 or r not in self.running:
+                continue  # out of budget, or preempted by a request before it in this loop
+            k = self._step_tokens(r, budget)
+            if k <= 0:
+                continue
+            while not self._grow(r, k):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is r:
+                    break
+            else:
+                budget -= k
+                if r.done == r.compute_len:
+                    self._finish(r)
+        return budget
+
+    def _finish(self, r: Request):
+        r.kv.close()
+        r.kv = None
+        r.tokens = None
+        r.finished_ms = self.now + self.options.step_ms
+        self.running.remove(r)
+        self.stats.finished += 1
+        for nxt in self.blocked.pop(r.rid, ()):
+            nxt.arrival_ms = max(nxt.arrival_ms, r.finished_ms)
+            self.released.append(nxt)
+
+    def _preempt(self, r: Request):
+        self.running.remove(r)
+        self.stats.preemptions += 1
+        if self.swap:
+            r.kv.suspend()
+            self.swapped.append(r)
+        else:
+            self._requeue(r)
+
+    def _requeue(self, r: Request):
+        """Close ``r``'s cache (its committed tokens stay reusable) and put it
+        first in the queue, to recompute from what is still cached."""
+        r.kv.close()
+        r.kv = None
+        r.prefill_end = max(r.prefill_end, r.done)  # generated tokens are recomputed as a prefill
+        r.seq = self.mgr.token_sequence(r.tokens[: r.lookup_len()])
+        self.waiting.appendleft(r)
+
+    # -- admission ------------------------------------------------------------------------------
+    def _admit(self, budget: int) -> bool:
+        admitted = False
+        while self.swapped and budget > 0 and len(self.running) < self.options.max_running:
+            k = self._try_resume(self.swapped[0], budget)
+            if k is None:
+                return admitted  # suspended requests go first: nothing new is admitted before them
+            r = self.swapped.popleft()
+            self.running.append(r)
+            budget -= k
+            admitted = True
+            if r.done == r.compute_len:
+                self._finish(r)
+        if not self.waiting or budget <= 0 or len(self.running) >= self.options.max_running:
+            return admitted
+        queue = list(self.waiting)
+        t0 = time.perf_counter()
+        m = self.mgr.match_batch([r.seq for r in queue])
+        m = m.to_host()
+        reusable = m.num_tokens
+        self.stats.match_latency_s.append(time.perf_counter() - t0)
+        self.stats.match_batch.append(len(queue))
+        self.stats.match_tokens.append(int(sum(len(r.seq) for r in queue)))
+        if self.options.order == "longest-prefix":
+            order = np.argsort(-reusable, kind="stable")  # ties keep arrival order
+        else:
+            order = range(len(queue))
+        for i in order:
+            if budget <= 0 or len(self.running) >= self.options.max_running:
+                break
+            r = queue[int(i)]
+            if self.min_snapshot:
+                r.checkpoint = int(m.num_tokens_before_pruning[i])
+            k = self._try_admit(r, budget)
+            if k is None:
+                break  # the pools are full: admit nothing more this step
+            budget -= k
+            admitted = True
+        return admitted
+
+    def _try_resume(self, r: Request, budget: int) -> int | None:
+        """Resume a suspended request and compute its next tokens; the tokens
+        computed, or None (and suspended again) when pages run out."""
+        t0 = time.perf_counter()
+        ok = r.kv.resume()
+        self.stats.kv_call_s += time.perf_counter() - t0
+        if not ok:
+            return None
+        k = self._step_tokens(r, budget)
+        if self._grow(r, k):
+            return k
+        r.kv.suspend()
+        return None
+
+    def _try_admit(self, r: Request, budget: int) -> int | None:
+        """Create ``r``'s cache with its reuse and compute its first chunk;
+        the tokens computed, or None (and nothing kept) when pages run out."""
+        t0 = time.perf_counter()
+        kv = self.mgr.create_kv_cache(input_tokens=r.tokens[: r.lookup_len()])
+        reused = kv.num_committed_tokens
+        ok = kv.resume()
+        self.stats.kv_call_s += time.perf_counter() - t0
+        if ok:
+            r.kv = kv
+            done_before, r.done = r.done, reused
+            k = self._step_tokens(r, budget)
+            if self._grow(r, k):
+                self._admitted(r, reused)
+                return k
+            r.done = done_before
+        t0 = time.perf_counter()
+        kv.close()
+        self.stats.kv_call_s += time.perf_counter() - t0
+        r.kv = None
+        return None
+
+    def _admitted(self, r: Request, reused: int):
+        s = self.stats
+        self._flushed = False
+        self.waiting.remove(r)
+        r.seq.release()
+        r.seq = None
+        self.running.append(r)
+        if r.reused is None:  # the first admission counts for the hit rate
+            r.reused = reused
+            r.admitted_step = s.steps
+            s.reused_tokens += reused
+            if reused:
+                s.reuses += 1
+                s.ssm_hits += self.has_ssm  # on a hybrid model every reuse ends on an SSM checkpoint
+                if reused % self.T:
+                    s.partial_reuses += 1
+                    s.partial_reused_tokens += reused % self.T
+        else:
+            s.readmissions += 1
+            s.readmission_reused_tokens += reused
+        if r.done >= r.compute_len:
+            self._finish(r)
+
+    def _unstick(self):
+        """Nothing runs and nothing could be admitted."""
+        if self.swapped:  # suspended requests hold pages: recompute them instead
+            while self.swapped:
+                self._requeue(self.swapped.pop())
+            return
+        if not self.can_evict and not self._flushed:
+            self.mgr.clear_reusable_blocks()  # no eviction: drop the whole reuse tree
+            self.stats.flushes += 1
+            self._flushed = True  # until the next admission
+            return
+        r = self.waiting.popleft()  # it does not fit in an empty pool
+        print(f"gpukv simulate: request {r.rid} ({r.compute_len} tokens) does not fit in the pool of "
+              f"{self.pages} pages per life cycle; rejected", file=sys.stderr)
+        r.seq.release()
+        r.seq = None
+        r.tokens = None
+        self.stats.rejected += 1
+        for nxt in self.blocked.pop(r.rid, ()):
+            self.released.append(nxt)
+
+    def _collect_manager_stats(self):
+        for k, v in self.mgr.get_and_reset_reuse_stats().items():
+            self.stats.manager_reuse[k] = self.stats.manager_reuse.get(k, 0) + v
+        if self.can_evict:
+            ev = self.mgr.get_and_reset_eviction_stats()
+            self.stats.evicted += int(ev.get("evicted", 0))
+            self.stats.migrated += int(ev.get("migrated", 0))
+            self.stats.dropped += int(ev.get("dropped", 0))
+
+
+# -- running and reporting ---------------------------------------------------------------------
+def warm_up(options: SimOptions):
+    """Compile (or load from Numba's disk cache) every kernel the simulation
+    uses, on a tiny workload, so that nothing timed includes compilation."""
+    tiny = default_workload(3, seed=1, tokens_per_block=options.tokens_per_block, duration_s=1.0)
+    o = SimOptions(**{**options.__dict__, "pages": None})
+    Simulator(tiny, o).run()
+
+
+def run_simulation(workload: Workload, options: SimOptions, progress: bool = False):
+    """Warm up, run, and return ``(simulator, summary dict)``."""
+    options.validate()
+    warm_up(options)
+    bar = ProgressBar(len(workload.requests)) if progress else None
+    sim = Simulator(workload, options, progress=bar)
+    t0 = time.perf_counter()
+    sim.run()
+    wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return sim, summarize(sim, wall)
+
+
+class ProgressBar:
+    """A plain-text progress bar on stderr, redrawn at most 10 times a second."""
+
+    def __init__(self, total: int, width: int = 30, out=None):
+        self.total = max(total, 1)
+        self.width = width
+        self.out = out or sys.stderr
+        self.last = 0.0
+
+    def __call__(self, sim: Simulator):
+        now = time.perf_counter()
+        if now - self.last < 0.1:
+            return
+        self.last = now
+        s = sim.stats
+        done = s.finished + s.rejected
+        fill = int(self.width * done / self.total)
+        hit = s.reused_tokens / max(s.input_tokens, 1)
+        self.out.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {done}/{self.total} requests  "
+                       f"hit {hit:6.1%}  running {len(sim.running):3d}  waiting {len(sim.waiting):4d} ")
+        self.out.flush()
+
+    def close(self):
+        self.out.write("\r" + " " * (self.width + 70) + "\r")
+        self.out.flush()
+
+
+def _pct(xs, q) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if len(xs) else 0.0
+
+
+def summarize(sim: Simulator, wall_s: float) -> dict:
+    s, o = sim.stats, sim.options
+    lat = np.asarray(s.match_latency_s)
+    lifecycles = ", ".join(type(x).__name__ + (f"(window={x.window})" if getattr(x, "window", None) else "")
+                           for x in sim.mgr.life_cycles)
+    return {
+        "workload": sim.workload.description,
+        "policy": o.policy,
+        "model": f"{o.model}: {lifecycles}",
+        "backend": sim.mgr.backend,
+        "tokens_per_block": o.tokens_per_block,
+        "gpu_pages_per_life_cycle": sim.pages,
+        "host_pages_per_life_cycle": o.host_pages,
+        "requests": s.requests,
+        "finished": s.finished,
+        "rejected": s.rejected,
+        "input_tokens": s.input_tokens,
+        "reused_tokens": s.reused_tokens,
+        "hit_rate": s.reused_tokens / max(s.input_tokens, 1),
+        "reused_tokens_from_partial_endpoints": s.partial_reused_tokens,
+        "reuses": s.reuses,
+        "reuses_ending_mid_block": s.partial_reuses,
+        "ssm_snapshot_hits": s.ssm_hits if sim.has_ssm else None,
+        "ssm_snapshot_hit_rate": (s.ssm_hits / max(s.requests, 1)) if sim.has_ssm else None,
+        "computed_tokens": s.computed_tokens,
+        "committed_tokens": s.committed_tokens,
+        "commit_calls": s.commit_calls,
+        "evicted_pages": s.evicted,
+        "migrated_pages": s.migrated,
+        "dropped_pages": s.dropped,
+        "eviction_stats_available": s.eviction_stats,
+        "tree_flushes": s.flushes,
+        "preemptions": s.preemptions,
+        "readmissions": s.readmissions,
+        "steps": s.steps,
+        "simulated_s": sim.now / 1e3,
+        "peak_running": s.peak_running,
+        "peak_waiting": s.peak_waiting,
+        "match_batch_calls": len(lat),
+        "match_batch_mean_requests": float(np.mean(s.match_batch)) if s.match_batch else 0.0,
+        "match_latency_p50_ms": _pct(lat, 50) * 1e3,
+        "match_latency_p99_ms": _pct(lat, 99) * 1e3,
+        "match_query_tokens_per_s": float(sum(s.match_tokens) / max(lat.sum(), 1e-12)),
+        "kv_cache_calls_s": s.kv_call_s,
+        "wall_s": wall_s,
+        "manager_reuse_stats": dict(s.manager_reuse),
+    }
+
+
+_LABELS = {
+    "hit_rate": "hit rate (reused / input tokens)",
+    "reused_tokens_from_partial_endpoints": "  of which from partial endpoints",
+    "reuses": "requests reusing anything",
+    "reuses_ending_mid_block": "  of which ending inside a block",
+    "ssm_snapshot_hits": "SSM snapshot hits (requests)",
+    "evicted_pages": "pages evicted from the GPU",
+    "migrated_pages": "  of which migrated to host",
+    "dropped_pages": "pages dropped",
+    "tree_flushes": "reuse tree flushes (no eviction)",
+    "match_latency_p50_ms": "match_batch latency p50 (ms)",
+    "match_latency_p99_ms": "match_batch latency p99 (ms)",
+    "match_query_tokens_per_s": "match_batch query tokens/s",
+    "kv_cache_calls_s": "time in KVCache calls (s)",
+    "wall_s": "wall time (s)",
+}
+
+
+def _cell(summary: dict, k: str):
+    """One summary value as table text; None to leave the row out."""
+    v = summary[k]
+    evicts = summary["eviction_stats_available"]
+    if k in ("manager_reuse_stats", "eviction_stats_available") or v is None:
+        return None
+    if k == "evicted_pages" and not evicts:
+        return "0 (no eviction)"
+    if (k in ("migrated_pages", "dropped_pages") and not evicts) or (k == "tree_flushes" and evicts):
+        return None
+    if k in ("hit_rate", "ssm_snapshot_hit_rate"):
+        return f"{v:.2%}"
+    if isinstance(v, float):
+        return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def format_summary(*summaries: dict) -> str:
+    """Summaries as an aligned table, one value column per run. Rows whose
+    values are equal in every run are shown once, before the others."""
+    keys = [k for k in summaries[0] if _cell(summaries[0], k) is not None]
+    cells = {k: [_cell(s, k) for s in summaries] for k in keys}
+    shared = [k for k in keys if len(set(cells[k])) == 1] if len(summaries) > 1 else keys
+    differ = [k for k in keys if k not in shared]
+    label = {k: _LABELS.get(k, k.replace("_", " ")) for k in keys}
+    width = max(len(label[k]) for k in keys)
+    lines = [f"{label[k]:<{width}}  {cells[k][0]}" for k in shared]
+    if differ:
+        cols = [max(len(c) for c in col) for col in zip(*(cells[k] for k in differ))]
+        lines.append("")
+        for k in differ:
+            lines.append(f"{label[k]:<{width}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells[k], cols)))
+    return "\n".join(lines)
+
+
+def require_matplotlib():
+    """Fail early, before a long run, when --plot cannot work."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MissingDependency("--plot needs matplotlib: pip install 'gpukv[plot]' (or pip install matplotlib)") from None
+
+
+class MissingDependency(RuntimeError):
+    """An optional dependency a requested feature needs is not installed."""
+
+
+def plot(sims: list, path: str):
+    """Hit rate over simulated time (one line per run) and match_batch latency
+    against batch size; needs matplotlib (``pip install 'gpukv[plot]'``)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for sim in sims:
+        tl = np.asarray(sim.stats.timeline, dtype=np.float64)
+        if not len(tl):
+            continue
+        hit = tl[:, 2] / np.maximum(tl[:, 1], 1)
+        a.plot(tl[:, 0] / 1e3, hit * 100, label=sim.options.policy)
+        lat = np.asarray(sim.stats.match_latency_s) * 1e3
+        b.scatter(sim.stats.match_batch, lat, s=4, alpha=0.4, label=sim.options.policy)
+    a.set_xlabel("simulated time (s)")
+    a.set_ylabel("cumulative hit rate (%)")
+    a.set_title("prefix reuse")
+    a.grid(alpha=0.3)
+    a.legend()
+    b.set_xscale("log")
+    b.set_yscale("log")
+    b.set_xlabel("requests in the match_batch call (waiting queue)")
+    b.set_ylabel("latency (ms)")
+    b.set_title(f"match_batch latency ({sims[0].mgr.backend})")
+    b.grid(alpha=0.3, which="both")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
