@@ -6,9 +6,11 @@ A workload re-enters earlier conversations at random endpoints (often mid-block)
 runs chunked prefills and generation steps with speculative tokens that get partly
 rejected (capacity rewinds), suspends and resumes, ends turns with a stop, an end
 commit or a planned drop, leaves caches open for a while, and clears the tree.
-Several turns run interleaved. Both sides get pools big enough that nothing is
-evicted (gpukv has no eviction controller yet; the oracle runs with
-``evict=False``).
+Several turns run interleaved. The default runs give both sides pools big
+enough that nothing is evicted; the pressure runs give them a few dozen pages
+per life cycle, so allocations evict least recently released pages all the
+time, and the two eviction controllers must pick the same victims (default
+priority, a single cache level: plain LRU).
 
 After every step the two must agree on:
 - ``probe_reuse`` of a few queries (conversation prefixes, cut mid-block, and
@@ -86,6 +88,7 @@ VOCAB = 4  # a tiny vocabulary makes shared prefixes and covering siblings frequ
 SCOPES = [None, None, None, ReuseScope(lora_id=1), ReuseScope(salt=9)]
 ORACLE_SCOPES = [None, None, None, (1, None), (None, 9)]
 POOL = 4096  # pages per life cycle on both sides: nothing is ever evicted
+PRESSURE_POOL = 24  # ... and small enough that allocations evict all the time
 
 
 class Turn:
@@ -130,7 +133,7 @@ def same_outcome(f_oracle, f_gpukv, what: str):
 class Lockstep:
     """The oracle and gpukv driven by one random workload (see the module docstring)."""
 
-    def __init__(self, rng, config):
+    def __init__(self, rng, config, pool: int = POOL):
         name, T, layers, lcs, cms, partial, backoff = config
         self.rng = rng
         self.T = T
@@ -138,13 +141,14 @@ class Lockstep:
         self.cms = cms
         self.has_ssm = any(lc.kind == O.SSM for lc in lcs)
         self.o = OK.KVOracle(
-            T, lcs, POOL, enable_partial_reuse=partial, commit_min_snapshot=cms, reuse_match_backoff=backoff, evict=False
+            T, lcs, pool, enable_partial_reuse=partial, commit_min_snapshot=cms, reuse_match_backoff=backoff,
+            evict=pool != POOL,
         )
         self.mgr = make_manager(
             "cpu",
             tokens_per_block=T,
             layers=layers,
-            pages_per_life_cycle=POOL,
+            pages_per_life_cycle=pool,
             page_bytes=8 * T,
             enable_partial_reuse=partial,
             commit_min_snapshot=cms,
@@ -454,8 +458,8 @@ class Lockstep:
 # ---------------------------------------------------------------------------
 
 
-def run_workload(seed: int, config, steps: int) -> dict:
-    return Lockstep(random.Random(seed), config).run_steps(steps)
+def run_workload(seed: int, config, steps: int, pool: int = POOL) -> dict:
+    return Lockstep(random.Random(seed), config, pool).run_steps(steps)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
@@ -483,3 +487,21 @@ def test_short_conversations_agree_with_the_oracle(config, rng):
 @pytest.mark.parametrize("seed", range(1, 11))
 def test_conversations_agree_with_the_oracle_long(config, seed):
     run_workload(seed, config, 1200)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_conversations_under_memory_pressure_agree_with_the_oracle(config):
+    """Small pools: both sides evict the same victims, refuse the same resizes,
+    and every reused token is still verified by the test engine."""
+    lock = Lockstep(random.Random(0), config, PRESSURE_POOL)
+    stats = lock.run_steps(300)
+    evicted = lock.mgr.get_and_reset_eviction_stats()
+    assert evicted["evicted"] == lock.o.counters["evicted"] > 0, (evicted, lock.o.counters)
+    assert stats.get("reused_tokens", 0) > 0, stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("seed", range(1, 11))
+def test_conversations_under_memory_pressure_agree_with_the_oracle_long(config, seed):
+    run_workload(seed, config, 1200, PRESSURE_POOL)

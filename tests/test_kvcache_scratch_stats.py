@@ -164,11 +164,32 @@ def test_a_snapshot_copy_that_finds_no_page_is_skipped_and_the_older_snapshot_st
     kv.commit([0, 1])  # the partial snapshot copies into the last free page: B0/2 {F2}
     n, pages = introspect.reuse_match_pages(mgr, [0, 1], 0)
     assert n == 2 and pages[0][1] == 2
-    kv.commit([2])  # B0/3 adopts B0/2's page; its own copy finds no free page and is skipped
+    reader = mgr.create_kv_cache([0, 1])  # holds the snapshot: no page is evictable now
+    assert reader.num_committed_tokens == 2
+    kv.commit([2])  # B0/3 adopts B0/2's page; its own copy finds no page, even by eviction, and is skipped
     assert kv.num_committed_tokens == 3
+    assert mgr.get_and_reset_eviction_stats()["evicted"] == 0
     n, pages = introspect.reuse_match_pages(mgr, [0, 1, 2], 0, enable_partial=True)
     assert n == 2 and pages[0][1] == 2  # the narrower snapshot survived on the longer block
     assert mgr.probe_reuse([0, 1, 2, 3]) == 2
+    introspect.check_sanity(mgr)
+    kv.close()
+    reader.close()
+    introspect.check_sanity(mgr)
+
+
+def test_a_snapshot_copy_may_evict_the_narrower_snapshot_it_would_replace():
+    """Eviction makes room for the copy; the only candidate is the block's own
+    narrower page, whose death (full attention) removes the block: the later,
+    wider snapshot is lost with it and nothing stays reusable."""
+    mgr = make_manager("cpu", tokens_per_block=4, layers=[gpukv.Attention()], commit_min_snapshot=True,
+                       pages_per_life_cycle=3)
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(8, 0)
+    kv.commit([0, 1])
+    kv.commit([2])
+    assert mgr.get_and_reset_eviction_stats() == {"evicted": 1, "migrated": 0, "dropped": 1}
+    assert mgr.probe_reuse([0, 1, 2, 3]) == 0
     introspect.check_sanity(mgr)
     kv.close()
     introspect.check_sanity(mgr)

@@ -381,8 +381,25 @@ def build_seq(target: str):
                     if Q.kinds[o, lc] == LOCK:
                         S.pages[p, PAGE_LOCKS] -= 1
                     Q.kinds[o, lc] = HOLD
-                else:
+                elif release_now:
                     drop_entry(S, Q, o, lc)
+                else:
+                    Q.kinds[o, lc] = -Q.kinds[o, lc]  # pending: see release_pending
+
+    @call
+    def release_pending(S, Q, nb):
+        """Release the entries ``unlock_stale`` left pending, in reverse order."""
+        L = S.lc_kind.shape[0]
+        for k in range(L):
+            lc = L - 1 - k
+            o = nb
+            while o > 0:
+                o -= 1
+                if Q.kinds[o, lc] < 0:
+                    p = Q.pages[o, lc]
+                    kind = -Q.kinds[o, lc]
+                    set_entry(Q, o, lc, NULL, 0)
+                    release(S, p, kind)
 
     @call
     def drop_block(S, Q, o):
@@ -430,11 +447,8 @@ def build_seq(target: str):
             if Q.counts[lc] > 0 and available(S, lc, 0) < Q.counts[lc]:
                 Q.scalars[Q_RESULT] = 0
                 return
-        unlock_stale(S, Q, h, True)
-        o = old_nb
-        while o > new_nb:
-            o -= 1
-            drop_block(S, Q, o)
+        # As the reference does: allocate (and evict) first; the pages that
+        # become stale are released only when the resize is done, last first.
         for lc in range(L):
             if S.lc_kind[lc] == KIND_SSM:
                 continue
@@ -455,6 +469,12 @@ def build_seq(target: str):
                 hold(S, p, LOCK)
                 Q.scratch[lc, Q.scratch_count[lc]] = p
                 Q.scratch_count[lc] += 1
+        unlock_stale(S, Q, h, False)
+        o = old_nb
+        while o > new_nb:
+            o -= 1
+            drop_block(S, Q, o)
+        release_pending(S, Q, min(old_nb, new_nb))
         Q.scalars[Q_NUM_BLOCKS] = new_nb
         Q.scalars[Q_CAPACITY] = cap
         Q.scalars[Q_HISTORY] = h
