@@ -88,7 +88,8 @@ VOCAB = 4  # a tiny vocabulary makes shared prefixes and covering siblings frequ
 SCOPES = [None, None, None, ReuseScope(lora_id=1), ReuseScope(salt=9)]
 ORACLE_SCOPES = [None, None, None, (1, None), (None, 9)]
 POOL = 4096  # pages per life cycle on both sides: nothing is ever evicted
-PRESSURE_POOL = 24  # ... and small enough that allocations evict all the time
+PRESSURE_POOL = 24  # ... small enough that allocations evict all the time
+TIGHT_POOL = 7  # ... and so small that allocations are refused too
 
 
 class Turn:
@@ -199,21 +200,38 @@ class Lockstep:
         self.count("partial_reuse", n % self.T != 0)
         return turn
 
+    def state(self, t: Turn):
+        """Everything a refused call must leave as it was: the tables and the cache."""
+        tables = {k: v.copy() for k, v in introspect.tables(self.mgr).items() if k in ("blocks", "slots", "pages", "tokens")}
+        return tables, (t.g.num_committed_tokens, t.g.history_length, t.g.capacity, t.g.status,
+                        [tuple(t.g.page_indices(lc)) for lc in range(self.L)])
+
+    def assert_unchanged(self, before, t: Turn, what: str):
+        after = self.state(t)
+        for name, table in before[0].items():
+            assert (table == after[0][name]).all(), f"{what} was refused but changed the {name} table"
+        assert before[1] == after[1], f"{what} was refused but changed the cache"
+
     def resume(self, t: Turn) -> bool:
+        before = self.state(t)
         ok_o, ok_g = same_outcome(t.o.resume, t.g.resume, "resume")
         assert bool(ok_o) == (ok_g is not False), f"resume: oracle {ok_o}, gpukv {ok_g}"
+        if not ok_o:
+            self.assert_unchanged(before, t, "resume()")
         return bool(ok_o)
 
     def suspend(self, t: Turn):
         same_outcome(t.o.suspend, t.g.suspend, "suspend")
 
     def resize(self, t: Turn, capacity, history=None) -> bool:
+        before = self.state(t)
         ok_o, ok_g = same_outcome(
             lambda: t.o.resize(capacity, history), lambda: t.g.resize(capacity, history), f"resize({capacity}, {history})"
         )
         assert ok_o == ok_g, f"resize({capacity}, {history}): oracle {ok_o}, gpukv {ok_g}"
         if not ok_o:
             self.count("resize_failed")
+            self.assert_unchanged(before, t, f"resize({capacity}, {history})")
         return ok_o
 
     def run(self, t: Turn, tokens_all, start: int, end: int):
@@ -489,15 +507,19 @@ def test_conversations_agree_with_the_oracle_long(config, seed):
     run_workload(seed, config, 1200)
 
 
+@pytest.mark.parametrize("pool", [PRESSURE_POOL, TIGHT_POOL])
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
-def test_conversations_under_memory_pressure_agree_with_the_oracle(config):
-    """Small pools: both sides evict the same victims, refuse the same resizes,
-    and every reused token is still verified by the test engine."""
-    lock = Lockstep(random.Random(0), config, PRESSURE_POOL)
-    stats = lock.run_steps(300)
+def test_conversations_under_memory_pressure_agree_with_the_oracle(config, pool):
+    """Small pools: both sides evict the same victims and refuse the same
+    resizes (a refused call changes nothing), and every reused token is still
+    verified by the test engine."""
+    lock = Lockstep(random.Random(0), config, pool)
+    stats = lock.run_steps(300 if pool == PRESSURE_POOL else 150)
     evicted = lock.mgr.get_and_reset_eviction_stats()
     assert evicted["evicted"] == lock.o.counters["evicted"] > 0, (evicted, lock.o.counters)
     assert stats.get("reused_tokens", 0) > 0, stats
+    if pool == TIGHT_POOL and any(lc.kind == O.FULL for lc in config[3]):  # windowed configs need few pages
+        assert stats.get("resize_failed", 0) > 0, stats
 
 
 @pytest.mark.slow
