@@ -85,10 +85,13 @@ class Evictor:
         order = xp.argsort(keys)
         best = candidates[order]
         n = int(best.size)
-        if t.victims.shape[1] < n:
+        if t.victims.shape[1] < n:  # grow, keeping the lists already made for this launch
             width = max(n, 2 * t.victims.shape[1])
-            t.victims = xp.zeros((t.victims.shape[0], width), dtype=np.int64)
-            t.victim_ticks = xp.zeros((t.victims.shape[0], width), dtype=np.int64)
+            for name in ("victims", "victim_ticks"):
+                old = getattr(t, name)
+                grown = xp.zeros((old.shape[0], width), dtype=np.int64)
+                grown[:, : old.shape[1]] = old
+                setattr(t, name, grown)
         t.victims[pool, :n] = best + start
         t.victim_ticks[pool, :n] = rows[best, PAGE_LRU_TICK]
         t.victim_count[pool] = n

@@ -152,6 +152,7 @@ ERR_OUT_OF_BLOCKS = 1
 ERR_LOG_FULL = 2
 ERR_NON_FULL_PARENT = 3
 ERR_COPIES_FULL = 4
+ERR_NO_PAGE = 5  # an allocation the all-or-nothing check had promised found no page
 
 
 def _export(layout: Layout, prefix: str):

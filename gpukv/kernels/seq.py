@@ -22,6 +22,8 @@ from collections import namedtuple
 from ..backend import bind_globals, device_jit
 from ..config import DEFAULT_PRIORITY, KIND_SSM, KIND_SWA
 from ..layout import (
+    CNT_ERROR,
+    ERR_NO_PAGE,
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_SCRATCH_REWIND,
     BLK_NUM_TOKENS,
@@ -223,7 +225,20 @@ def build_seq(target: str):
         if not make_room(S, lc, 0, 1):
             return NULL
         p = alloc_page(S, lc, 0, priority)
+        if p == NULL:
+            return NULL
         S.pages[p, PAGE_STATE] = state
+        return p
+
+    @jit
+    def promised_page(S, lc, priority):
+        """A page an all-or-nothing check promised; a miss is a bug, reported
+        as a kernel error instead of a write through NULL."""
+        p = new_page(S, lc, PAGE_UNCOMMITTED, priority)
+        if p == NULL:
+            S.counters[CNT_ERROR] = ERR_NO_PAGE
+            return NULL
+        hold(S, p, LOCK)
         return p
 
     @jit
@@ -336,18 +351,20 @@ def build_seq(target: str):
             last = (N - 1) // T
             for lc in range(L):
                 if S.lc_kind[lc] == KIND_SSM:
-                    p = new_page(S, lc, PAGE_UNCOMMITTED, DEFAULT_PRIORITY)  # the live state has no ordinal
+                    p = promised_page(S, lc, DEFAULT_PRIORITY)  # the live state has no ordinal
+                    if p == NULL:
+                        return
                     src = Q.scalars[Q_SSM_PAGE]
-                    hold(S, p, LOCK)
                     Q.scalars[Q_SSM_PAGE] = p
                     Q.scalars[Q_SSM_KIND] = LOCK
                     if src != NULL:
                         copy_page_data(S, src, p)
                         release(S, src, LOCK)
                 elif partial:
-                    p = new_page(S, lc, PAGE_UNCOMMITTED, Q.priority[last, lc])
+                    p = promised_page(S, lc, Q.priority[last, lc])
+                    if p == NULL:
+                        return
                     src = Q.pages[last, lc]  # a partial tail is never stale
-                    hold(S, p, LOCK)
                     copy_page_data(S, src, p)
                     Q.pages[last, lc] = p
                     release(S, src, LOCK)
@@ -461,12 +478,14 @@ def build_seq(target: str):
                     Q.kinds[o, lc] = SCRATCH
                     scratch += 1
                 elif not is_stale(S, lc, h, o):
-                    p = new_page(S, lc, PAGE_UNCOMMITTED, Q.priority[o, lc])
-                    hold(S, p, LOCK)
+                    p = promised_page(S, lc, Q.priority[o, lc])
+                    if p == NULL:
+                        return
                     set_entry(Q, o, lc, p, LOCK)
             while Q.scratch_count[lc] < scratch_slots_needed(S, lc, scratch):
-                p = new_page(S, lc, PAGE_UNCOMMITTED, Q.priority[lo, lc])
-                hold(S, p, LOCK)
+                p = promised_page(S, lc, Q.priority[lo, lc])
+                if p == NULL:
+                    return
                 Q.scratch[lc, Q.scratch_count[lc]] = p
                 Q.scratch_count[lc] += 1
         unlock_stale(S, Q, h, False)
