@@ -1,15 +1,22 @@
-"""Summarize a pytest-benchmark JSON of ``bench/test_match.py``.
+"""Summarize a pytest-benchmark JSON of the ``bench/`` suites.
 
     python bench/report.py /tmp/bench.json [--stat median|mean|min]
 
-Prints (as Markdown) query tokens/s per case and batch size, then the goal
-ratios per batch size:
+Prints (as Markdown), for whichever suites the run contains:
 
-* registered / baseline: gpukv on registered ``TokenSequence``s vs the Python
-  hash-chain walk, as a throughput ratio (goal >= 20x);
-* flat / baseline: gpukv on ``(flat, offsets)`` vs the same (goal >= 10x);
-* lists / convert: time of gpukv on Python lists over the time of merely
-  converting those lists to one NumPy array (goal <= 1.25x).
+* ``test_match.py``: query tokens/s per case and batch size, then the goal
+  ratios per batch size:
+
+  * registered / baseline: gpukv on registered ``TokenSequence``s vs the Python
+    hash-chain walk, as a throughput ratio (goal >= 20x);
+  * flat / baseline: gpukv on ``(flat, offsets)`` vs the same (goal >= 10x);
+  * lists / convert: time of gpukv on Python lists over the time of merely
+    converting those lists to one NumPy array (goal <= 1.25x);
+
+* ``test_match_sweep.py``: query tokens/s of gpukv (registered sequences) and
+  of the baseline per batch size and per tree size, with the speedup;
+* ``test_commit.py``: committed tokens/s for prefill chunks and decode steps,
+  gpukv per model and the Python baseline.
 
 Only the standard library is needed.
 """
@@ -38,15 +45,23 @@ GOALS = (
 
 
 def load(path: str, stat: str) -> dict:
+    """``results``: test_match.py's, keyed by (case, batch); ``sweep`` and
+    ``commit``: the other suites' (time, extra_info) pairs."""
     with open(path) as f:
         data = json.load(f)
-    out = {}
+    out, sweep, commit = {}, [], []
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
-        if "case" not in info:
-            continue
-        out[(info["case"], int(info["batch"]))] = (float(b["stats"][stat]), info)
-    return {"results": out, "machine": data.get("machine_info", {}), "when": data.get("datetime", "")}
+        t = float(b["stats"][stat])
+        suite = info.get("suite", "match")
+        if suite == "match-sweep":
+            sweep.append((t, info))
+        elif suite == "commit":
+            commit.append((t, info))
+        elif "case" in info:
+            out[(info["case"], int(info["batch"]))] = (t, info)
+    return {"results": out, "sweep": sweep, "commit": commit, "machine": data.get("machine_info", {}),
+            "when": data.get("datetime", "")}
 
 
 def rate(tokens: float) -> str:
@@ -58,14 +73,23 @@ def rate(tokens: float) -> str:
 
 def report(path: str, stat: str = "median", out=sys.stdout):
     d = load(path, stat)
-    res = d["results"]
-    if not res:
-        raise SystemExit(f"{path}: no benchmarks with extra_info['case'] (is it a bench/test_match.py run?)")
-    batches = sorted({b for _, b in res})
-    cases = [c for c in CASES if any((c, b) in res for b in batches)]
+    if not (d["results"] or d["sweep"] or d["commit"]):
+        raise SystemExit(f"{path}: no benchmarks of bench/ (extra_info without 'case' or 'suite')")
     m = d["machine"]
     print(f"{path} ({d['when']}; {m.get('cpu', {}).get('brand_raw', '?')}, "
           f"{m.get('cpu', {}).get('count', '?')} CPUs; stat: {stat} time per call)\n", file=out)
+    if d["results"]:
+        report_match(d, out)
+    if d["sweep"]:
+        report_sweeps(d["sweep"], out)
+    if d["commit"]:
+        report_commit(d["commit"], out)
+
+
+def report_match(d: dict, out):
+    res = d["results"]
+    batches = sorted({b for _, b in res})
+    cases = [c for c in CASES if any((c, b) in res for b in batches)]
     print("Query tokens/s (total query tokens / time per match call):\n", file=out)
     print("| case | " + " | ".join(f"B={b}" for b in batches) + " |", file=out)
     print("|---|" + "---:|" * len(batches), file=out)
@@ -100,11 +124,64 @@ def report(path: str, stat: str = "median", out=sys.stdout):
             ok = r >= goal if op == ">=" else r <= goal
             cells.append(f"{r:.2f}x {'met' if ok else 'MISSED'}")
         print(f"| {label} | {op} {goal:g}x | " + " | ".join(cells) + " |", file=out)
+    print(file=out)
+
+
+def _cell(t: float, tokens: float) -> str:
+    return f"{rate(tokens / t)}tok/s ({t * 1e3:.3g} ms)"
+
+
+def report_sweeps(rows: list, out):
+    titles = {"batch": ("match_batch by batch size", "batch", "B={}"),
+              "tree": ("match_batch by tree size (trace requests inserted)", "tree_requests", "{:,}")}
+    for sweep, (title, key, fmt) in titles.items():
+        got = {(info["case"], info[key]): (t, info) for t, info in rows if info["sweep"] == sweep}
+        if not got:
+            continue
+        sizes = sorted({k for _, k in got})
+        print(f"{title}, query tokens/s:\n", file=out)
+        print("| | " + " | ".join(fmt.format(k) for k in sizes) + " |", file=out)
+        print("|---|" + "---:|" * len(sizes), file=out)
+        for case, label in (("registered", "gpukv, registered TokenSequences"), ("baseline", "Python hash-chain baseline")):
+            cells = [_cell(*_time_tokens(got[(case, k)])) if (case, k) in got else "-" for k in sizes]
+            print(f"| {label} | " + " | ".join(cells) + " |", file=out)
+        speed = [f"{got[('baseline', k)][0] / got[('registered', k)][0]:.3g}x"
+                 if ("baseline", k) in got and ("registered", k) in got else "-" for k in sizes]
+        print("| speedup | " + " | ".join(speed) + " |", file=out)
+        reuse = [f"{got[('registered', k)][1]['reuse_fraction']:.1%}" if ("registered", k) in got else "-" for k in sizes]
+        print("| reused fraction of the queries | " + " | ".join(reuse) + " |", file=out)
+        if sweep == "tree":
+            b = next(info["batch"] for _, info in got.values())
+            print(f"\n(the same {b} queries at every size)", file=out)
+        print(file=out)
+
+
+def _time_tokens(entry):
+    t, info = entry
+    return t, info["query_tokens"]
+
+
+def report_commit(rows: list, out):
+    cols = sorted({(info["case"], info["model"]) for _, info in rows}, key=lambda c: (c[0] == "baseline", c[1]))
+    print("Commit throughput, committed tokens/s (resize + commit per step):\n", file=out)
+    print("| phase | " + " | ".join(f"gpukv, {m}" if c == "gpukv" else "Python baseline" for c, m in cols) + " |",
+          file=out)
+    print("|---|" + "---:|" * len(cols), file=out)
+    for phase in ("prefill", "decode"):
+        got = {(info["case"], info["model"]): (t, info) for t, info in rows if info["phase"] == phase}
+        if not got:
+            continue
+        first = next(iter(got.values()))[1]
+        what = (f"prefill, {first['chunk']}-token chunks" if phase == "prefill"
+                else "decode, 1 token per step")
+        cells = [_cell(got[c][0], got[c][1]["tokens"]) if c in got else "-" for c in cols]
+        print(f"| {what} ({first['requests']} requests) | " + " | ".join(cells) + " |", file=out)
+    print(file=out)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("json", help="a pytest-benchmark --benchmark-json file of bench/test_match.py")
+    p.add_argument("json", help="a pytest-benchmark --benchmark-json file of the bench/ suites")
     p.add_argument("--stat", default="median", choices=("median", "mean", "min"))
     a = p.parse_args(argv)
     report(a.json, a.stat)

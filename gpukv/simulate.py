@@ -232,14 +232,13 @@ def trace_workload(path, limit: int | None = None, time_scale: float = 1.0) -> W
 
 
 def auto_pages(requests: list, options: SimOptions) -> int:
-    """A GPU pool under real pressure: the pages of a quarter of the
-    workload's tokens, but at least twice the longest request and one prefill
-    chunk per running slot, so every request fits and a full batch can run."""
+    """A GPU pool under real pressure: room for one and a half full running
+    batches of average requests, so the running set fits but the reuse tree
+    soon has to be evicted from; and at least twice the longest request, so
+    every request fits alone."""
     T = options.tokens_per_block
-    blocks = [-(-r.compute_len // T) for r in requests] or [1]
-    longest = max(blocks)
-    batch = options.max_running * -(-options.prefill_chunk // T)
-    return int(max(2 * longest + 8, min(batch, 4 * longest), sum(blocks) // 4))
+    blocks = np.array([-(-r.compute_len // T) for r in requests] or [1])
+    return int(max(2 * blocks.max() + 8, math.ceil(1.5 * options.max_running * blocks.mean())))
 
 
 # -- the scheduler ---------------------------------------------------------------------------
@@ -377,21 +376,28 @@ class Simulator:
         kv = r.kv
         n1 = r.done + k
         t0 = time.perf_counter()
-        # The history passed is the committed length: exact under per-page
-        # commits; under full-block commits it stays at the last committed
-        # block boundary (commit_min_snapshot needs history == committed).
-        if not kv.resize(n1, kv.num_committed_tokens):
+        # Pages are allocated a block at a time, as engines do: the capacity
+        # grows to the end of the block holding the step's last token, so a
+        # decode step inside a block needs no resize. The history is left
+        # alone: each commit moves it to the committed length (under
+        # full-block commits it stays at the last committed block boundary;
+        # commit_min_snapshot needs history == committed length at a commit).
+        if n1 > kv.capacity and not kv.resize(-(-n1 // self.T) * self.T):
             self.stats.kv_call_s += time.perf_counter() - t0
             return False
-        # Commit up to the last block boundary reached, then (per-page only)
-        # the rest: an endpoint inside a block. Under commit_min_snapshot each
-        # commit's end is an SSM checkpoint, so both policies checkpoint every
-        # block boundary a step crosses, and per-page also the exact endpoint.
+        # Commit up to the last block boundary reached; then, per-page only,
+        # the rest when it is an endpoint worth keeping: the end of a prefill
+        # chunk (the prompt's end, a branch point) or of the request. Decode
+        # steps inside a block are not committed one by one: under
+        # commit_min_snapshot each commit's end is a snapshot (page copies),
+        # which no engine takes for every generated token. Both policies thus
+        # checkpoint every block boundary; per-page also the exact endpoints.
+        prefill = r.done < r.prefill_end
         c0, edge = kv.num_committed_tokens, n1 // self.T * self.T
         if edge > c0:
             self._commit(r, c0, edge)
             c0 = edge
-        if not self.full_blocks and n1 > c0:
+        if not self.full_blocks and n1 > c0 and (prefill or n1 == r.compute_len):
             self._commit(r, c0, n1)
         self.stats.kv_call_s += time.perf_counter() - t0
         r.done = n1

@@ -136,12 +136,11 @@ def test_host_tier_preemption_suspends_and_resumes():
     assert s["rejected"] == 0
 
 
-def test_auto_pages_fit_the_longest_request():
-    w = default_workload(20, seed=0, tokens_per_block=64)
-    o = SimOptions()
-    pages = auto_pages(w.requests, o)
-    assert pages >= 2 * max(-(-r.compute_len // 64) for r in w.requests)
-    assert pages < sum(-(-r.compute_len // 64) for r in w.requests) / 2  # but under pressure
+def test_auto_pages_fit_the_longest_request_but_not_the_workload():
+    w = default_workload()  # the default workload
+    blocks = [-(-r.compute_len // 64) for r in w.requests]
+    pages = auto_pages(w.requests, SimOptions())
+    assert 2 * max(blocks) <= pages < sum(blocks) / 5
 
 
 def test_deterministic():
