@@ -146,7 +146,6 @@ class Request:
     prefill_end: int = 0  # computed as a prefill up to here: the prompt, or more after a preemption
     checkpoint: int = 0  # a prefill chunk ends here (see Simulator._step_tokens)
     reused: int | None = None  # reuse at first admission
-    admitted_step: int = -1
     finished_ms: float | None = None
 
     @property
@@ -271,7 +270,8 @@ class Stats:
     match_batch: list = field(default_factory=list)
     match_tokens: list = field(default_factory=list)
     kv_call_s: float = 0.0
-    timeline: list = field(default_factory=list)  # (simulated ms, input tokens, reused tokens) per step
+    admitted_input_tokens: int = 0  # input tokens of the requests admitted so far (first admissions)
+    timeline: list = field(default_factory=list)  # (simulated ms, admitted input tokens, reused tokens) per step
     manager_reuse: dict = field(default_factory=dict)
 
 
@@ -321,7 +321,7 @@ class Simulator:
                 self._unstick()
             s.steps += 1
             s.peak_running = max(s.peak_running, len(self.running))
-            s.timeline.append((self.now, s.input_tokens, s.reused_tokens))
+            s.timeline.append((self.now, s.admitted_input_tokens, s.reused_tokens))
             self.now += self.options.step_ms
             self._collect_manager_stats()
             if self.progress is not None:
@@ -541,7 +541,7 @@ class Simulator:
         self.running.append(r)
         if r.reused is None:  # the first admission counts for the hit rate
             r.reused = reused
-            r.admitted_step = s.steps
+            s.admitted_input_tokens += r.prompt_len
             s.reused_tokens += reused
             if reused:
                 s.reuses += 1
@@ -626,7 +626,7 @@ class ProgressBar:
         s = sim.stats
         done = s.finished + s.rejected
         fill = int(self.width * done / self.total)
-        hit = s.reused_tokens / max(s.input_tokens, 1)
+        hit = s.reused_tokens / max(s.admitted_input_tokens, 1)
         self.out.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {done}/{self.total} requests  "
                        f"hit {hit:6.1%}  running {len(sim.running):3d}  waiting {len(sim.waiting):4d} ")
         self.out.flush()
@@ -764,22 +764,33 @@ def plot(sims: list, path: str):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for sim in sims:
+    for k, sim in enumerate(sims):
+        color = f"C{k}"
         tl = np.asarray(sim.stats.timeline, dtype=np.float64)
         if not len(tl):
             continue
-        hit = tl[:, 2] / np.maximum(tl[:, 1], 1)
-        a.plot(tl[:, 0] / 1e3, hit * 100, label=sim.options.policy)
+        t = tl[:, 0] / 1e3
+        a.plot(t, 100 * tl[:, 2] / np.maximum(tl[:, 1], 1), color=color, label=f"{sim.options.policy}, cumulative")
+        # The hit rate of the requests arriving in each twentieth of the run.
+        edges = np.linspace(0, len(tl) - 1, 21).astype(int)
+        d_in, d_re = np.diff(tl[edges, 1]), np.diff(tl[edges, 2])
+        ok = d_in > 0
+        a.step(t[edges[1:]][ok], 100 * d_re[ok] / d_in[ok], where="pre", color=color, alpha=0.4, lw=1,
+               label=f"{sim.options.policy}, per interval")
         lat = np.asarray(sim.stats.match_latency_s) * 1e3
-        b.scatter(sim.stats.match_batch, lat, s=4, alpha=0.4, label=sim.options.policy)
+        b.scatter(sim.stats.match_batch, lat, s=5, alpha=0.4, color=color, label=sim.options.policy)
     a.set_xlabel("simulated time (s)")
-    a.set_ylabel("cumulative hit rate (%)")
+    a.set_ylabel("hit rate (% of input tokens)")
     a.set_title("prefix reuse")
     a.grid(alpha=0.3)
-    a.legend()
+    a.legend(fontsize=8)
     b.set_xscale("log")
     b.set_yscale("log")
+    b.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    b.xaxis.set_minor_formatter(NullFormatter())
     b.set_xlabel("requests in the match_batch call (waiting queue)")
     b.set_ylabel("latency (ms)")
     b.set_title(f"match_batch latency ({sims[0].mgr.backend})")
