@@ -7,11 +7,11 @@ its KV cache manager, one scheduling step at a time:
    each with a registered ``TokenSequence`` of its lookup tokens. The next turn
    of a conversation arrives only after the previous turn has finished.
 2. **Running requests** (in admission order) get this step's tokens out of a
-   token budget: a prefill chunk, or ``decode_chunk`` generated tokens. For
-   each, ``kv.resize(capacity, history)`` asks for the pages, then
-   ``kv.commit(tokens)`` makes the computed tokens reusable. When ``resize``
-   returns False (no room, even after eviction), the newest running request
-   is preempted and the resize retried; a request may preempt itself.
+   token budget: a prefill chunk, or ``decode_chunk`` generated tokens. Pages
+   come a block at a time (``kv.resize`` when the step's tokens pass the
+   capacity), then ``kv.commit`` makes the computed tokens reusable. When
+   ``resize`` returns False (no room, even after eviction), the newest running
+   request is preempted and the resize retried; a request may preempt itself.
 3. **Admission.** One ``match_batch`` call matches the whole waiting queue
    (this call is what the latency figures time). The queue is ordered
    longest-reusable-prefix first (or kept in arrival order), and requests are
@@ -26,20 +26,21 @@ A request computes its prompt and all but the last output token (the last one
 is sampled and never fed back). It looks up all but the last prompt token: the
 last one is always recomputed, for the logits of the first output token.
 
-**Policies.** ``per-page`` (gpukv's point): every commit is exact, so an
-endpoint inside a block (a turn's end, a prefill chunk's end) is reusable.
-``full-blocks`` runs the same workload the way engines that only reuse whole
-blocks behave: ``enable_partial_reuse=False`` and commits only on block
-boundaries (the history passed to ``resize`` stays at the last committed
-boundary, which ``commit_min_snapshot`` requires).
+**Policies.** Both commit every block boundary a step crosses. ``per-page``
+(gpukv's point) also commits the exact endpoints worth keeping, the end of a
+prefill chunk and the end of the request, even inside a block; coverage makes
+them reusable. ``full-blocks`` runs the same workload the way engines that only
+reuse whole blocks behave: ``enable_partial_reuse=False`` and commits on block
+boundaries only (the history stays at the last committed boundary, as
+``commit_min_snapshot`` requires).
 
 **Preemption.** With a host tier (``host_pages > 0``) a preempted request is
 suspended (its pages may move to the host) and resumed before new admissions;
 without one it is closed (its committed tokens stay cached) and re-queued at
 the front, to be recomputed from whatever is still reusable. If nothing runs
-and nothing can be admitted, suspended requests are closed; when the manager
-cannot evict at all, the reuse tree is flushed (``clear_reusable_blocks``);
-otherwise the request is rejected as too large for the pool.
+and nothing can be admitted, suspended requests are closed and re-queued; if
+that does not help either, the request at the head of the queue is rejected
+as too large for the pool.
 
 The simulation is deterministic for a given workload and options. Time is
 simulated: a step lasts ``step_ms``; while nothing runs, time jumps to the
@@ -258,14 +259,12 @@ class Stats:
     preemptions: int = 0
     readmissions: int = 0
     readmission_reused_tokens: int = 0
-    flushes: int = 0
     rejected: int = 0
     peak_running: int = 0
     peak_waiting: int = 0
     evicted: int = 0
     migrated: int = 0
     dropped: int = 0
-    eviction_stats: bool = False
     match_latency_s: list = field(default_factory=list)
     match_batch: list = field(default_factory=list)
     match_tokens: list = field(default_factory=list)
@@ -287,8 +286,7 @@ class Simulator:
         self.swap = options.host_pages > 0
         self.has_ssm = self.mgr.ssm_life_cycle_id is not None
         self.min_snapshot = self.mgr.config.commit_min_snapshot
-        self.can_evict = hasattr(self.mgr, "get_and_reset_eviction_stats")
-        self.stats = Stats(eviction_stats=self.can_evict)
+        self.stats = Stats()
         self.progress = progress
         reqs = workload.requests
         self.pending = deque(r for r in reqs if r.after is None)  # in arrival order
@@ -302,7 +300,7 @@ class Simulator:
         self.swapped: deque = deque()
         self.now = 0.0
         self.total = len(reqs)
-        self._flushed = False
+        self.refused = None  # the last request admission was refused for
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> Stats:
@@ -491,6 +489,7 @@ class Simulator:
                 r.checkpoint = int(m.num_tokens_before_pruning[i])
             k = self._try_admit(r, budget)
             if k is None:
+                self.refused = r
                 break  # the pools are full: admit nothing more this step
             budget -= k
             admitted = True
@@ -534,7 +533,6 @@ class Simulator:
 
     def _admitted(self, r: Request, reused: int):
         s = self.stats
-        self._flushed = False
         self.waiting.remove(r)
         r.seq.release()
         r.seq = None
@@ -561,12 +559,8 @@ class Simulator:
             while self.swapped:
                 self._requeue(self.swapped.pop())
             return
-        if not self.can_evict and not self._flushed:
-            self.mgr.clear_reusable_blocks()  # no eviction: drop the whole reuse tree
-            self.stats.flushes += 1
-            self._flushed = True  # until the next admission
-            return
-        r = self.waiting.popleft()  # it does not fit in an empty pool
+        r = self.refused  # it does not fit in a pool emptied by eviction
+        self.waiting.remove(r)
         print(f"gpukv simulate: request {r.rid} ({r.compute_len} tokens) does not fit in the pool of "
               f"{self.pages} pages per life cycle; rejected", file=sys.stderr)
         r.seq.release()
@@ -579,11 +573,10 @@ class Simulator:
     def _collect_manager_stats(self):
         for k, v in self.mgr.get_and_reset_reuse_stats().items():
             self.stats.manager_reuse[k] = self.stats.manager_reuse.get(k, 0) + v
-        if self.can_evict:
-            ev = self.mgr.get_and_reset_eviction_stats()
-            self.stats.evicted += int(ev.get("evicted", 0))
-            self.stats.migrated += int(ev.get("migrated", 0))
-            self.stats.dropped += int(ev.get("dropped", 0))
+        ev = self.mgr.get_and_reset_eviction_stats()
+        self.stats.evicted += ev["evicted"]
+        self.stats.migrated += ev["migrated"]
+        self.stats.dropped += ev["dropped"]
 
 
 # -- running and reporting ---------------------------------------------------------------------
@@ -670,8 +663,6 @@ def summarize(sim: Simulator, wall_s: float) -> dict:
         "evicted_pages": s.evicted,
         "migrated_pages": s.migrated,
         "dropped_pages": s.dropped,
-        "eviction_stats_available": s.eviction_stats,
-        "tree_flushes": s.flushes,
         "preemptions": s.preemptions,
         "readmissions": s.readmissions,
         "steps": s.steps,
@@ -698,7 +689,6 @@ _LABELS = {
     "evicted_pages": "pages evicted from the GPU",
     "migrated_pages": "  of which migrated to host",
     "dropped_pages": "pages dropped",
-    "tree_flushes": "reuse tree flushes (no eviction)",
     "match_latency_p50_ms": "match_batch latency p50 (ms)",
     "match_latency_p99_ms": "match_batch latency p99 (ms)",
     "match_query_tokens_per_s": "match_batch query tokens/s",
@@ -710,12 +700,7 @@ _LABELS = {
 def _cell(summary: dict, k: str):
     """One summary value as table text; None to leave the row out."""
     v = summary[k]
-    evicts = summary["eviction_stats_available"]
-    if k in ("manager_reuse_stats", "eviction_stats_available") or v is None:
-        return None
-    if k == "evicted_pages" and not evicts:
-        return "0 (no eviction)"
-    if (k in ("migrated_pages", "dropped_pages") and not evicts) or (k == "tree_flushes" and evicts):
+    if k == "manager_reuse_stats" or v is None:
         return None
     if k in ("hit_rate", "ssm_snapshot_hit_rate"):
         return f"{v:.2%}"
