@@ -127,7 +127,7 @@ def test_gpukv_prefill_commit(benchmark, prompts, model):
                 kv.commit(p[n0:n1])
 
     benchmark.extra_info.update(info("prefill", "gpukv", model, sum(p.size for p in prompts), len(prompts)))
-    benchmark.pedantic(prefill, setup=setup, rounds=5, iterations=1)
+    benchmark.pedantic(prefill, setup=setup, rounds=3, iterations=1)
     kvs = state["kvs"]
     assert [kv.num_committed_tokens for kv in kvs] == [p.size for p in prompts]
     for kv in kvs:
@@ -150,7 +150,7 @@ def test_baseline_python_prefill_commit(benchmark, prompts):
                 index.commit(st, p[n0:n0 + CHUNK])
 
     benchmark.extra_info.update(info("prefill", "baseline", "any", sum(len(p) for p in lists), len(lists)))
-    benchmark.pedantic(prefill, setup=setup, rounds=5, iterations=1)
+    benchmark.pedantic(prefill, setup=setup, rounds=3, iterations=1)
 
 
 # -- decode ------------------------------------------------------------------------------------------
