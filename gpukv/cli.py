@@ -24,7 +24,7 @@ def _versions() -> dict:
         try:
             mod = __import__(name)
             out[name] = getattr(mod, "__version__", "?")
-        except Exception as e:  # a missing or broken optional GPU stack is reported, not fatal
+        except Exception as e:  # noqa: BLE001 -- a missing or broken optional GPU stack is reported, not fatal
             out[name] = f"unavailable ({type(e).__name__})"
     return out
 
@@ -205,10 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--trace", metavar="FILE", help="a Mooncake-format JSONL trace (512-token hash ids) instead of "
                    "the built-in multi-turn chats")
     w.add_argument("--limit", type=int, metavar="N", help="take the first N requests")
-    w.add_argument("--conversations", type=int, default=200, help="built-in workload: conversations (default 200)")
+    w.add_argument("--conversations", type=int, default=200, metavar="N", help="built-in workload: conversations (default 200)")
     w.add_argument("--duration", type=float, default=60.0, metavar="S",
                    help="built-in workload: conversations start within S simulated seconds (default 60)")
-    w.add_argument("--seed", type=int, default=0, help="built-in workload: random seed")
+    w.add_argument("--seed", type=int, default=0, metavar="N", help="built-in workload: random seed")
     w.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="trace: divide arrival times by X (2 = twice the load)")
     c = s.add_argument_group("cache")
@@ -218,18 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", action="store_true", help="run both policies on the same workload, side by side")
     c.add_argument("--model", choices=["hybrid", "attention"], default="hybrid",
                    help="hybrid: full attention + sliding window + SSM layers (default); attention: full attention")
-    c.add_argument("--tokens-per-block", type=int, default=64)
-    c.add_argument("--window", type=int, default=1024, help="sliding window of the hybrid model (tokens)")
-    c.add_argument("--pages", type=int, help="GPU pages per life cycle (default: sized for pressure from the workload)")
-    c.add_argument("--host-pages", type=int, default=0, help="host-tier pages per life cycle (default 0: no host tier)")
+    c.add_argument("--tokens-per-block", type=int, default=64, metavar="T", help="tokens per block (default 64)")
+    c.add_argument("--window", type=int, default=1024, metavar="W", help="sliding window of the hybrid model (tokens)")
+    c.add_argument("--pages", type=int, metavar="N", help="GPU pages per life cycle (default: sized for pressure from the workload)")
+    c.add_argument("--host-pages", type=int, default=0, metavar="N", help="host-tier pages per life cycle (default 0: no host tier)")
     g = s.add_argument_group("scheduler")
-    g.add_argument("--max-batch-tokens", type=int, default=4096, help="tokens computed per step (default 4096)")
-    g.add_argument("--prefill-chunk", type=int, default=2048, help="largest prefill chunk (default 2048)")
-    g.add_argument("--decode-chunk", type=int, default=1, help="tokens a decoding request adds per step (default 1)")
-    g.add_argument("--max-running", type=int, default=64, help="largest running batch (default 64)")
+    g.add_argument("--max-batch-tokens", type=int, default=4096, metavar="N", help="tokens computed per step (default 4096)")
+    g.add_argument("--prefill-chunk", type=int, default=2048, metavar="N", help="largest prefill chunk (default 2048)")
+    g.add_argument("--decode-chunk", type=int, default=1, metavar="N", help="tokens a decoding request adds per step (default 1)")
+    g.add_argument("--max-running", type=int, default=64, metavar="N", help="largest running batch (default 64)")
     g.add_argument("--order", choices=["longest-prefix", "arrival"], default="longest-prefix",
                    help="admission order of the waiting queue (default longest-prefix)")
-    g.add_argument("--step-ms", type=float, default=25.0, help="simulated duration of a step (default 25 ms)")
+    g.add_argument("--step-ms", type=float, default=25.0, metavar="MS", help="simulated duration of a step (default 25 ms)")
     o = s.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON")
     o.add_argument("--plot", metavar="FILE.png", help="save a figure: hit rate over time, match latency vs batch size "
