@@ -12,8 +12,9 @@ its KV cache manager, one scheduling step at a time:
    capacity), then ``kv.commit`` makes the computed tokens reusable. When
    ``resize`` returns False (no room, even after eviction), the newest running
    request is preempted and the resize retried; a request may preempt itself.
-3. **Admission.** One ``match_batch`` call matches the whole waiting queue
-   (this call is what the latency figures time). The queue is ordered
+3. **Admission.** When budget and batch room are left, one ``match_batch``
+   call matches the whole waiting queue (this call is what the latency
+   figures time). The queue is ordered
    longest-reusable-prefix first (or kept in arrival order), and requests are
    admitted while the budget lasts: ``create_kv_cache(input_tokens=...)``
    holds the reused pages, ``resume()`` activates the cache, and the first
