@@ -71,6 +71,10 @@ def rate(tokens: float) -> str:
     return f"{tokens:.3g} "
 
 
+def dur(t: float) -> str:
+    return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
+
+
 def report(path: str, stat: str = "median", out=sys.stdout):
     d = load(path, stat)
     if not (d["results"] or d["sweep"] or d["commit"]):
@@ -98,7 +102,7 @@ def report_match(d: dict, out):
         for b in batches:
             if (c, b) in res:
                 t, info = res[(c, b)]
-                cells.append(f"{rate(info['query_tokens'] / t)}tok/s ({t * 1e3:.3g} ms)")
+                cells.append(f"{rate(info['query_tokens'] / t)}tok/s ({dur(t)})")
             else:
                 cells.append("-")
         print(f"| {LABELS[c]} | " + " | ".join(cells) + " |", file=out)
@@ -128,7 +132,7 @@ def report_match(d: dict, out):
 
 
 def _cell(t: float, tokens: float) -> str:
-    return f"{rate(tokens / t)}tok/s ({t * 1e3:.3g} ms)"
+    return f"{rate(tokens / t)}tok/s ({dur(t)})"
 
 
 def report_sweeps(rows: list, out):
