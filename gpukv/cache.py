@@ -230,14 +230,18 @@ class KVCache:
         self._mgr._tables.ensure_log_tokens(2 * int(self._scalars[Q_NUM_BLOCKS]) + 2)
         self._launch(SEQ_STOP)
 
-    def close(self):
+    def close(self, evict_first: bool = False):
         """Stop committing (a pending partial tail is committed) and release
-        every page; closing twice is a no-op."""
+        every page; closing twice is a no-op. With ``evict_first`` the pages
+        that stay cached go to the head of their eviction queue (a turn the
+        scheduler knows will not be continued)."""
+        if not isinstance(evict_first, bool):
+            raise TypeError(f"evict_first must be a bool, got {evict_first!r}")
         if self.status is KVCacheStatus.CLOSED:
             return
         self._mgr._tables.ensure_free_blocks(2)
         self._mgr._tables.ensure_log_tokens(2 * int(self._scalars[Q_NUM_BLOCKS]) + 2)
-        self._launch(SEQ_CLOSE)
+        self._launch(SEQ_CLOSE, int(evict_first))
         self._mgr._open_caches.discard(self)
 
     def plan_committed_block_drop(self) -> "PlannedDrop | None":

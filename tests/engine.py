@@ -255,9 +255,10 @@ class Engine:
                 assert got == want, f"SSM state in page {s} is wrong: got {got}, want {want} (committed length {N})"
 
     def verify_tree(self) -> None:
-        """Every GPU page linked in the tree holds the right values for the first
-        ``coverage`` tokens of its block (an SSM page: the state at exactly
-        ``coverage``). Blocks with multimodal (digest) tokens are skipped."""
+        """Every page linked in the tree, on the GPU or on the host tier, holds
+        the right values for the first ``coverage`` tokens of its block (an SSM
+        page: the state at exactly ``coverage``). Blocks with multimodal
+        (digest) tokens are skipped."""
         T = self.T
         t = introspect.tables(self.mgr)
         blocks, toks, slots, pages = t["blocks"], t["tokens"], t["slots"], t["pages"]
@@ -265,7 +266,8 @@ class Engine:
         flags = blocks["flags"]
         rows = attached_rows(blocks)
         rows = rows[np.argsort(blocks["ordinal"][rows], kind="stable")]  # parents first
-        words = [_host(self.words(lc)) for lc in range(L)]
+        gpu = [_host(self.words(lc)) for lc in range(L)]
+        host = [None if self.mgr.page_memory(lc, 1) is None else self.mgr.page_memory(lc, 1).view(np.int64) for lc in range(L)]
         end_digest: dict = {}  # row -> running digest after the block's last token
         for r in rows:
             parent = int(blocks["parent"][r])
@@ -288,8 +290,9 @@ class Engine:
             end_digest[int(r)] = d
             for lc in range(L):
                 pg, cov = int(slots["page"][r * L + lc]), int(slots["coverage"][r * L + lc])
-                if pg < 0 or int(pages["level"][pg]) != 0:
+                if pg < 0:
                     continue
+                words = gpu if int(pages["level"][pg]) == 0 else host
                 want = self._block_values.get((key, lc))
                 if want is None:
                     want = self._block_values[(key, lc)] = np.array(
@@ -297,7 +300,7 @@ class Engine:
                     )
                 pool = int(pages["pool_index"][pg])
                 where = (
-                    f"tree page {pg} (pool index {pool}) of block {block_tokens} at ordinal {o}, "
+                    f"tree page {pg} (level {int(pages['level'][pg])}, pool index {pool}) of block {block_tokens} at ordinal {o}, "
                     f"life cycle {lc}, coverage {cov}"
                 )
                 if lc == self.ssm:

@@ -73,6 +73,7 @@ Q_SCOPE_ID = 10
 Q_SCOPE_KEY = 11
 Q_RESULT = 13  # 1 = done, 0 = refused (out of pages)
 Q_VIRTUAL_STOPPED = 14
+Q_EVICT_FIRST = 15  # pages released now go to the head of their LRU (close(evict_first=True))
 Q_WIDTH = 16
 
 # Operations.
@@ -123,6 +124,7 @@ def build_seq(target: str):
     adopt_pages_from = t.adopt_pages_from
     copy_page_data = t.copy_page_data
     schedule = t.schedule
+    schedule_first = t.schedule_first
     make_room = t.make_room
     move_page = t.move_page
     available = t.available
@@ -161,7 +163,7 @@ def build_seq(target: str):
             S.pages[p, PAGE_LOCKS] += 1
 
     @call
-    def release(S, p, kind):
+    def release(S, Q, p, kind):
         """A sequence drops its hold or lock on ``p``. An unowned uncommitted page
         dies at once; an unowned committed page stays cached (evictable) unless
         it was unlinked or its block is an orphan, in which case it dies."""
@@ -175,7 +177,10 @@ def build_seq(target: str):
         if S.pages[p, PAGE_STATE] == PAGE_UNCOMMITTED:
             free_page(S, p)
             return
-        schedule(S, p)
+        if Q.scalars[Q_EVICT_FIRST] == 1:
+            schedule_first(S, p)
+        else:
+            schedule(S, p)
         b = S.pages[p, PAGE_BLOCK]
         if b == NULL or not is_attached(S, b):
             page_death(S, p)
@@ -191,7 +196,7 @@ def build_seq(target: str):
         if p != NULL:
             kind = Q.kinds[o, lc]
             set_entry(Q, o, lc, NULL, 0)
-            release(S, p, kind)
+            release(S, Q, p, kind)
 
     @jit
     def ref_block(S, r):
@@ -359,7 +364,7 @@ def build_seq(target: str):
                     Q.scalars[Q_SSM_KIND] = LOCK
                     if src != NULL:
                         copy_page_data(S, src, p)
-                        release(S, src, LOCK)
+                        release(S, Q, src, LOCK)
                 elif partial:
                     p = promised_page(S, lc, Q.priority[last, lc])
                     if p == NULL:
@@ -367,7 +372,7 @@ def build_seq(target: str):
                     src = Q.pages[last, lc]  # a partial tail is never stale
                     copy_page_data(S, src, p)
                     Q.pages[last, lc] = p
-                    release(S, src, LOCK)
+                    release(S, Q, src, LOCK)
             if partial:
                 set_tree(S, Q, last, NULL)
             Q.scalars[Q_NEVER_RESUMED] = 0
@@ -416,7 +421,7 @@ def build_seq(target: str):
                     p = Q.pages[o, lc]
                     kind = -Q.kinds[o, lc]
                     set_entry(Q, o, lc, NULL, 0)
-                    release(S, p, kind)
+                    release(S, Q, p, kind)
 
     @call
     def drop_block(S, Q, o):
@@ -433,7 +438,7 @@ def build_seq(target: str):
         L = S.lc_kind.shape[0]
         for lc in range(L):
             for k in range(Q.scratch_count[lc]):
-                release(S, Q.scratch[lc, k], LOCK)
+                release(S, Q, Q.scratch[lc, k], LOCK)
             Q.scratch_count[lc] = 0
             for o in range(Q.scalars[Q_NUM_BLOCKS]):  # former scratch blocks are just page-less now
                 if Q.kinds[o, lc] == SCRATCH:
@@ -628,7 +633,7 @@ def build_seq(target: str):
                     kind = Q.kinds[o, lc]
                     hold(S, e, kind)
                     set_entry(Q, o, lc, e, kind)
-                    release(S, p, kind)  # our own uncommitted page (its GPU slot is free now)
+                    release(S, Q, p, kind)  # our own uncommitted page (its GPU slot is free now)
                     if kind == LOCK:
                         to_gpu(S, e)
             did = True
@@ -742,7 +747,7 @@ def build_seq(target: str):
             kind = Q.scalars[Q_SSM_KIND]
             Q.scalars[Q_SSM_PAGE] = NULL
             Q.scalars[Q_SSM_KIND] = 0
-            release(S, p, kind)
+            release(S, Q, p, kind)
         Q.scalars[Q_NUM_BLOCKS] = 0
         Q.scalars[Q_STATUS] = CLOSED
 
@@ -765,7 +770,9 @@ def build_seq(target: str):
         elif op == SEQ_STOP:
             stop_committing(S, Q, out)
         elif op == SEQ_CLOSE:
+            Q.scalars[Q_EVICT_FIRST] = Q.args[0]
             close(S, Q, out)
+            Q.scalars[Q_EVICT_FIRST] = 0
 
     @call
     def seq_op(S, Q, op):
