@@ -49,7 +49,7 @@ def load(path: str, stat: str) -> dict:
     ``commit``: the other suites' (time, extra_info) pairs."""
     with open(path) as f:
         data = json.load(f)
-    out, sweep, commit = {}, [], []
+    out, sweep, commit, evict = {}, [], [], []
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
         t = float(b["stats"][stat])
@@ -58,9 +58,11 @@ def load(path: str, stat: str) -> dict:
             sweep.append((t, info))
         elif suite == "commit":
             commit.append((t, info))
+        elif suite == "evict":
+            evict.append((t, info))
         elif "case" in info:
             out[(info["case"], int(info["batch"]))] = (t, info)
-    return {"results": out, "sweep": sweep, "commit": commit, "machine": data.get("machine_info", {}),
+    return {"results": out, "sweep": sweep, "commit": commit, "evict": evict, "machine": data.get("machine_info", {}),
             "when": data.get("datetime", "")}
 
 
@@ -77,7 +79,7 @@ def dur(t: float) -> str:
 
 def report(path: str, stat: str = "median", out=sys.stdout):
     d = load(path, stat)
-    if not (d["results"] or d["sweep"] or d["commit"]):
+    if not (d["results"] or d["sweep"] or d["commit"] or d["evict"]):
         raise SystemExit(f"{path}: no benchmarks of bench/ (extra_info without 'case' or 'suite')")
     m = d["machine"]
     print(f"{path} ({d['when']}; {m.get('cpu', {}).get('brand_raw', '?')}, "
@@ -88,6 +90,8 @@ def report(path: str, stat: str = "median", out=sys.stdout):
         report_sweeps(d["sweep"], out)
     if d["commit"]:
         report_commit(d["commit"], out)
+    if d["evict"]:
+        report_evict(d["evict"], out)
 
 
 def report_match(d: dict, out):
@@ -133,6 +137,26 @@ def report_match(d: dict, out):
 
 def _cell(t: float, tokens: float) -> str:
     return f"{rate(tokens / t)}tok/s ({dur(t)})"
+
+
+def report_evict(rows: list, out):
+    """test_evict.py: pages freed per second (gpukv vs the Python LRU) and
+    admissions under pressure vs with free pages."""
+    got = {info["case"]: (t, info) for t, info in rows}
+    print("\n## Eviction (test_evict.py)\n", file=out)
+    print("| case | time | rate |\n|---|---:|---:|", file=out)
+    for case in ("evict_pool", "python_lru"):
+        if case in got:
+            t, info = got[case]
+            print(f"| {case} | {t * 1e3:.1f} ms | {info['pages'] / t / 1e3:.0f} K pages/s |", file=out)
+    for case in ("alloc_pressure", "alloc_free"):
+        if case in got:
+            t, info = got[case]
+            print(f"| {case} ({info['requests']} admissions) | {t * 1e3:.1f} ms | {info['tokens'] / t / 1e6:.2f} M tokens/s |",
+                  file=out)
+    if "alloc_pressure" in got and "alloc_free" in got:
+        print(f"\nadmission time under pressure / with free pages: {got['alloc_pressure'][0] / got['alloc_free'][0]:.2f}x",
+              file=out)
 
 
 def report_sweeps(rows: list, out):

@@ -8,7 +8,8 @@ round starts from such a full pool (rebuilt untimed).
 
 * ``evict_pool``: free the whole pool in one call (``OP_EVICT``: a batched
   pass lists the victims, the serial kernel evicts them least recently used
-  first, each page death running the tree cleanup); pages freed per second.
+  first, each page death running the tree cleanup); pages freed per second
+  (pages that die with an evicted ancestor's subtree count as freed too).
 * ``python_lru``: the plain-Python reference of the same work, an
   ``OrderedDict`` LRU popping the same number of entries and deleting their
   blocks from a dict index (no tree cleanup, no priorities).
@@ -71,9 +72,13 @@ def test_evict_pool(benchmark, trace):
     def run():
         assert state["mgr"]._tree.evict(0, 0, POOL)
 
-    benchmark.pedantic(run, setup=setup, rounds=5)
-    assert state["mgr"].get_and_reset_eviction_stats()["evicted"] == POOL
-    benchmark.extra_info.update(case="evict_pool", pages=POOL)
+    benchmark.pedantic(run, setup=setup, rounds=5, warmup_rounds=1)
+    mgr = state["mgr"]
+    assert int(mgr._backend.to_host(mgr._tables.pool_top)[0]) == POOL  # all free
+    # Most pages are evicted; the rest die with an evicted ancestor's subtree.
+    evicted = mgr.get_and_reset_eviction_stats()["evicted"]
+    assert evicted > POOL // 2
+    benchmark.extra_info.update(suite="evict", case="evict_pool", pages=POOL, evicted=evicted)
 
 
 def test_python_lru(benchmark, trace):
@@ -102,8 +107,8 @@ def test_python_lru(benchmark, trace):
             key, _ = lru.popitem(last=False)
             index.pop(key, None)
 
-    benchmark.pedantic(run, setup=setup, rounds=5)
-    benchmark.extra_info.update(case="python_lru", pages=POOL)
+    benchmark.pedantic(run, setup=setup, rounds=5, warmup_rounds=1)
+    benchmark.extra_info.update(suite="evict", case="python_lru", pages=POOL)
 
 
 @pytest.mark.parametrize("case", ["alloc_pressure", "alloc_free"])
@@ -125,7 +130,7 @@ def test_allocation(benchmark, trace, case):
             kv.commit(prompt[kv.num_committed_tokens:])  # cached: the next admission must evict again
             kv.close()
 
-    benchmark.pedantic(run, setup=setup, rounds=5)
+    benchmark.pedantic(run, setup=setup, rounds=5, warmup_rounds=1)
     evicted = state["mgr"].get_and_reset_eviction_stats()["evicted"]
     assert (evicted > 0) == (case == "alloc_pressure")
-    benchmark.extra_info.update(case=case, tokens=tokens, requests=len(fresh), evicted_last_round=evicted)
+    benchmark.extra_info.update(suite="evict", case=case, tokens=tokens, requests=len(fresh), evicted_last_round=evicted)

@@ -925,6 +925,7 @@ def build_tree_kernel(target: str):
     remove_subtree, clear_tree, clear_stale = t.remove_subtree, t.clear_tree, t.clear_stale_blocks_after_page_unlink
     maybe_free_orphan = t.maybe_free_orphan
     make_room, schedule, announce = t.make_room, t.schedule, t.announce
+    page_of, is_root = t.page_of, t.is_root
     begin_launch, end_launch = t.begin_launch, t.end_launch
 
     @call
@@ -984,14 +985,23 @@ def build_tree_kernel(target: str):
                             break
                         S.pages[p, PAGE_COVERAGE] = n
                         replace_page(S, r, lc, p)
-                        schedule(S, p)
                 if r != NULL and out[1] == 1:
                     announce(S, r, EV_STORED_BLOCK, NULL)
                 out[3] = j + 1 if r != NULL else j
-                if r == NULL or n < T:
+                if r == NULL:
                     break
                 parent = r
+                if n < T:
+                    break
                 j += 1
+            # Released as a finished sequence releases them: the last block
+            # first, so leaves are evicted before their ancestors.
+            while parent != NULL and not is_root(S, parent):
+                for k in range(L):
+                    p = page_of(S, parent, L - 1 - k)
+                    if p != NULL:
+                        schedule(S, p)
+                parent = S.blocks[parent, BLK_PARENT]
         elif op == OP_RELEASE_REF:
             S.blocks[args[0], BLK_REFS] -= 1
             maybe_free_orphan(S, args[0])
