@@ -359,3 +359,24 @@ def committed_page_is_linked(kv, ordinal: int, life_cycle_id: int):
     if row[PAGE_STATE] != PAGE_COMMITTED:
         return None
     return bool(row[PAGE_BLOCK] != NULL)
+
+
+# -- KV cache events ---------------------------------------------------------------------------
+def event_manager_add_stored_block(mgr, block: BlockRef):
+    """Feed a (test) block to the event manager's whole-block stored path, as a
+    commit of a new block would (``add_stored_block_event_from_block``): every
+    life cycle whose page covers the whole block is announced. Nothing happens
+    when events are off."""
+    from .layout import EV_STORED_BLOCK
+
+    mgr._tree.announce(block, EV_STORED_BLOCK)
+
+
+def event_manager_add_stored_life_cycle(mgr, block: BlockRef, life_cycle_id: int):
+    """Feed a (test) block to the event manager's one-life-cycle stored path,
+    as a rebase would (``add_stored_life_cycle_event_from_block``): the life
+    cycle is announced when its page covers the whole block; a block never
+    announced takes the whole-block path instead."""
+    from .layout import EV_STORED_LIFE_CYCLE
+
+    mgr._tree.announce(block, EV_STORED_LIFE_CYCLE, life_cycle_id)
