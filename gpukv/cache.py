@@ -82,6 +82,7 @@ class KVCache:
         sid = tree.scope_id(scope, create=True)
         self._T = mgr.config.tokens_per_block
         L = len(mgr.config.life_cycles)
+        self._num_life_cycles = L
         xp = self._backend.xp
         blocks = 4
         scalars = np.zeros(Q_WIDTH, dtype=np.int64)
@@ -331,7 +332,7 @@ class KVCache:
         a[: len(args)] = args
         self._q.args[:] = b.to_device(a)
         if need:
-            mgr._evictor.prepare([need] * len(mgr.config.life_cycles))
+            mgr._evictor.prepare([need] * self._num_life_cycles)
         self._run(mgr._tables.device, self._q, op)
         self._scalars = b.to_host(self._q.scalars).copy()
         mgr._tree.after_kernel()

@@ -127,7 +127,7 @@ def build_seq(target: str):
     schedule_first = t.schedule_first
     make_room = t.make_room
     move_page = t.move_page
-    available = t.available
+    can_have = t.can_have
     evictable = t.evictable
     announce = t.announce
     begin_launch, end_launch = t.begin_launch, t.end_launch
@@ -226,7 +226,7 @@ def build_seq(target: str):
     @jit
     def new_page(S, lc, state, priority):
         """A GPU page, evicting to make room; NULL when even that fails (callers
-        of all-or-nothing allocations checked ``available`` first)."""
+        of all-or-nothing allocations checked ``can_have`` first)."""
         if not make_room(S, lc, 0, 1):
             return NULL
         p = alloc_page(S, lc, 0, priority)
@@ -341,7 +341,7 @@ def build_seq(target: str):
         for lc in range(L):  # all or nothing: host pages come back, fresh pages are made
             off, held = pages_off_gpu(S, Q, lc)
             need = off + (1 if first and (S.lc_kind[lc] == KIND_SSM or partial) else 0)
-            if need > 0 and available(S, lc, held) < need:
+            if need > 0 and not can_have(S, lc, held, need):
                 Q.scalars[Q_RESULT] = 0
                 return
         Q.scalars[Q_STATUS] = ACTIVE
@@ -466,7 +466,7 @@ def build_seq(target: str):
                 elif not is_stale(S, lc, h, o):
                     Q.counts[lc] += 1
             Q.counts[lc] += max(0, scratch_slots_needed(S, lc, scratch) - Q.scratch_count[lc])
-            if Q.counts[lc] > 0 and available(S, lc, 0) < Q.counts[lc]:
+            if Q.counts[lc] > 0 and not can_have(S, lc, 0, Q.counts[lc]):
                 Q.scalars[Q_RESULT] = 0
                 return
         # As the reference does: allocate (and evict) first; the pages that

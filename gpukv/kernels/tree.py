@@ -700,11 +700,21 @@ def _build_tree(target: str) -> SimpleNamespace:
         return True
 
     @call
+    def can_have(S, lc, own_held, need):
+        """Could ``lc`` have ``need`` free GPU slots now: free ones plus what
+        eviction may free (droppable pages; held ones too while the host tier
+        has room for them)? ``own_held`` of the held ones are about to be
+        locked by the caller. Every all-or-nothing allocation asks first."""
+        pool = pool_of(lc, 0)
+        if S.pool_top[pool] >= need:
+            return True  # the common case: no counting at all
+        return available(S, lc, own_held) >= need
+
+    @call
     def available(S, lc, own_held):
-        """GPU slots ``lc`` could have now: free ones plus what eviction may free
-        (droppable pages; held ones too while the host tier has room for them).
-        ``own_held`` of the held ones are about to be locked by the caller. A
-        lower bound: every all-or-nothing allocation checks it first."""
+        """Free GPU slots of ``lc`` plus what eviction may free (a lower bound).
+        Counted by the batched pass when it ran before the launch (it does
+        whenever free slots look short), else by a scan."""
         pool = pool_of(lc, 0)
         if S.victim_total[pool] >= 0:  # counted by the batched pass before the launch
             droppable = S.evict_counts[lc, 0]
@@ -892,6 +902,7 @@ def _build_tree(target: str) -> SimpleNamespace:
         schedule_first=schedule_first,
         make_room=make_room,
         available=available,
+        can_have=can_have,
         move_page=move_page,
         announce=announce,
         begin_launch=begin_launch,
