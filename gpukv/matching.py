@@ -27,7 +27,7 @@ from .kernels.match import (
 from .layout import CNT_DETACHES
 from .scope import ReuseScope, as_scope
 from .tables import Tables
-from .tokens import check_flat, flatten
+from .tokens import check_flat, flatten, token_error
 from .tree import BlockTree
 
 
@@ -76,16 +76,20 @@ class Matcher:
         self.prehash = self.backend.target == "cuda"
         self._empty = self.backend.to_device(np.zeros(0, dtype=np.int64))
         self._empty_bool = self.backend.to_device(np.zeros(0, dtype=bool))
+        self._path = None  # scratch, see _take_path
 
     # -- packing --------------------------------------------------------------------
     def _pack(self, requests):
-        """``(tokens, starts, lengths, hashes, hash_off, slots)`` on the device;
-        ``slots`` are the arena slots of registered sequences, else None."""
+        """``(tokens, starts, lengths, hashes, hash_off, slots, check)`` on the
+        device; ``slots`` are the arena slots of registered sequences, else
+        None; ``check``: the kernel must check the tokens' signs."""
         b = self.backend
         if isinstance(requests, tuple) and len(requests) == 2 and hasattr(requests[0], "dtype"):
-            flat, offsets = check_flat(requests[0], requests[1], b.xp)
+            # cpu, int32: the match kernel checks the tokens (no separate pass)
+            check = not self.prehash and getattr(requests[0], "dtype", None) == np.int32
+            flat, offsets = check_flat(requests[0], requests[1], b.xp, tokens=not check)
             flat, offsets = b.to_device(flat), b.to_device(offsets)
-            return self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1])
+            return (*self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1]), check)
         if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
             raise TypeError("requests must be a list of token sequences or a (flat_tokens, offsets) pair")
         if len(requests) and all(type(r) is TokenSequence for r in requests):
@@ -93,7 +97,7 @@ class Matcher:
         requests = [self._tokens_of(i, r) for i, r in enumerate(requests)]
         flat, offsets = flatten(requests, self.tables.lookup_digest)
         flat, offsets = b.to_device(flat), b.to_device(offsets)
-        return self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1])
+        return (*self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1]), False)
 
     def _tokens_of(self, i, r):
         if type(r) is TokenSequence:
@@ -129,7 +133,7 @@ class Matcher:
         a = self.arena
         if total:
             self.kernels.hash_blocks(a.tokens, b.to_device(src), b.to_device(dst), b.to_device(first), a.hashes, self.T, total)
-        return a.tokens, b.to_device(starts), b.to_device(lengths), a.hashes, b.to_device(hash_off), slots
+        return a.tokens, b.to_device(starts), b.to_device(lengths), a.hashes, b.to_device(hash_off), slots, False
 
     def _scopes(self, scopes, B):
         """Per-request ``(scope ids, root keys)`` as host arrays; -1 for a scope never used."""
@@ -162,13 +166,23 @@ class Matcher:
         trusted = a.memo_epoch[slots] == epoch
         return b.to_device(verified), b.to_device(trusted), epoch
 
+    def _take_path(self, n):
+        """The scratch path (matched rows per request before compaction) of at
+        least ``n`` entries: kept between calls (a fresh array costs a page
+        fault per 4 KiB when the kernel first writes it). A concurrent call
+        finds none kept and allocates its own."""
+        path, self._path = self._path, None
+        if path is None or path.shape[0] < n:
+            path = self.backend.xp.empty(max(n + n // 4, 1), dtype=np.int64)
+        return path
+
     # -- matching ---------------------------------------------------------------------
     def match(self, requests, scopes=None, partial=None, backoff=None) -> BatchMatch:
         b = self.backend
         xp = b.xp
         partial = self.default_partial if partial is None else partial
         backoff = self.default_backoff if backoff is None else backoff
-        toks, starts, lengths, hashes, hash_off, slots = self._pack(requests)
+        toks, starts, lengths, hashes, hash_off, slots, check = self._pack(requests)
         B = int(starts.shape[0])
         scope_ids, scope_keys = self._scopes(scopes, B)
         if slots is not None:
@@ -179,15 +193,22 @@ class Matcher:
         path_off = xp.zeros(B + 1, dtype=np.int64)
         if B:
             xp.cumsum((lengths + self.T - 1) // self.T, out=path_off[1:])
+        path = self._take_path(int(path_off[-1]))
         batch = MatchBatch(
             toks=toks, starts=starts, lengths=lengths, hashes=hashes, hash_off=hash_off,
             scope_ids=b.to_device(scope_ids), scope_keys=b.to_device(scope_keys),
             memo_rows=memo_rows, memo_serials=memo_serials, verified=verified, trusted=trusted,
-            path=xp.empty(max(int(path_off[-1]), 1), dtype=np.int64), path_off=path_off,
-            res=xp.zeros((B, RES_WIDTH), dtype=np.int64),
+            path=path, path_off=path_off, res=xp.zeros((B, RES_WIDTH), dtype=np.int64),
+            bad=np.empty(B, dtype=np.int64) if check else self._empty,
         )
         if B:
             self.kernels.match(self.tables.device, batch, bool(partial), int(backoff), self.ssm_lc)
+        if check and B:
+            bad = batch.bad
+            if int(bad.max()) >= 0:
+                i = int(np.argmax(bad >= 0))
+                self._path = path
+                raise token_error(i, int(bad[i]), int(toks[int(starts[i]) + int(bad[i])]))
         if slots is not None:
             self.arena.verified[slots] = b.to_host(verified)
             self.arena.memo_scope[slots] = scope_ids
@@ -199,6 +220,7 @@ class Matcher:
         block_ids = xp.empty(int(block_offsets[-1]), dtype=np.int64)
         if B and block_ids.shape[0]:
             self.kernels.compact(batch, block_offsets, block_ids)
+        self._path = path
         return BatchMatch(
             num_tokens=res[:, RES_NUM_TOKENS],
             num_lookup_tokens=res[:, RES_NUM_LOOKUP_TOKENS],

@@ -77,8 +77,12 @@ def flatten(requests: Sequence, intern: Callable[[bytes], int]) -> tuple[np.ndar
     return flat, offsets
 
 
-def check_flat(flat, offsets, xp) -> tuple:
-    """Validate a caller-built ``(flat_tokens, offsets)`` pair on its device."""
+def check_flat(flat, offsets, xp, tokens: bool = True) -> tuple:
+    """Validate a caller-built ``(flat_tokens, offsets)`` pair on its device.
+
+    ``tokens=False`` leaves the token range of an int32 array to the caller
+    (the only bad int32 tokens are negative: the ``cpu`` match kernel finds
+    them in its own pass, see ``token_error``); other dtypes are always checked."""
     if not hasattr(flat, "dtype") or not hasattr(offsets, "dtype"):
         raise TypeError("(flat_tokens, offsets) must be integer arrays")
     if flat.ndim != 1 or offsets.ndim != 1:
@@ -98,15 +102,17 @@ def check_flat(flat, offsets, xp) -> tuple:
     if steps.size and int(steps.min()) < 0:
         i = int(xp.argmax(steps < 0))
         raise ValueError(f"request {i}: offsets must be non-decreasing ({int(offsets[i])} > {int(offsets[i + 1])})")
-    if flat.size:
+    if flat.size and (tokens or flat.dtype != np.int32):
         lo, hi = int(flat.min()), int(flat.max())
         if lo < 0 or hi > MAX_TOKEN_ID:
             bad = int(xp.argmax((flat < 0) | (flat > MAX_TOKEN_ID)))
             i = int(np.searchsorted(_host(offsets), bad, side="right") - 1)
-            raise TokenError(
-                f"request {i}: token {int(flat[bad])} at position {bad - int(offsets[i])} is outside 0..{MAX_TOKEN_ID}"
-            )
+            raise token_error(i, bad - int(offsets[i]), int(flat[bad]))
     return flat.astype(np.int32, copy=False), offsets
+
+
+def token_error(request: int, position: int, token: int) -> TokenError:
+    return TokenError(f"request {request}: token {token} at position {position} is outside 0..{MAX_TOKEN_ID}")
 
 
 def _host(a):

@@ -63,19 +63,21 @@ def build_keys(jit):
         h1 = h0 ^ L1
         h2 = h0 ^ L2
         h3 = h0 ^ L3
-        i = start
-        end = start + n
-        while i + 8 <= end:
-            h0 = mix_in(h0, pair(tokens, i))
-            h1 = mix_in(h1, pair(tokens, i + 2))
-            h2 = mix_in(h2, pair(tokens, i + 4))
-            h3 = mix_in(h3, pair(tokens, i + 6))
+        # A slice indexed from 0: Numba adds no wraparound check for negative
+        # indices (a check per token, and a loop the compiler cannot unroll).
+        t = tokens[start:start + n]
+        i = 0
+        while i + 8 <= n:
+            h0 = mix_in(h0, pair(t, i))
+            h1 = mix_in(h1, pair(t, i + 2))
+            h2 = mix_in(h2, pair(t, i + 4))
+            h3 = mix_in(h3, pair(t, i + 6))
             i += 8
-        while i + 2 <= end:
-            h0 = mix_in(h0, pair(tokens, i))
+        while i + 2 <= n:
+            h0 = mix_in(h0, pair(t, i))
             i += 2
-        if i < end:
-            h0 = mix_in(h0, np.uint64(tokens[i]) & LOW32)
+        if i < n:
+            h0 = mix_in(h0, np.uint64(t[i]) & LOW32)
         return fmix64(((h0 * M1 + h1) * M1 + h2) * M1 + h3)
 
     @jit

@@ -24,7 +24,9 @@ import numpy as np
 
 from ..backend import bind_globals, device_jit
 from ..config import KIND_SSM
-from ..layout import BLK_FIRST_NEXT, BLK_FLAGS, BLK_KEY, BLK_NUM_TOKENS, BLK_PARENT, BLK_SERIAL, FLAG_ATTACHED, NULL
+from ..layout import (
+    BLK_FIRST_NEXT, BLK_FLAGS, BLK_HASH_NEXT, BLK_KEY, BLK_NUM_TOKENS, BLK_PARENT, BLK_SERIAL, FLAG_ATTACHED, NULL,
+)
 from .lifecycle import build_lifecycle
 from .prefetch import build_prefetch
 from .tree import build_tree
@@ -45,10 +47,13 @@ PARALLEL_MIN_BLOCKS = 256  # and so do small hashing jobs
 # Registered sequences also bring their memo: memo_rows/memo_serials (indexed
 # like hashes) hold the blocks matched last time, verified[i] how many (updated
 # in place) and trusted[i] whether nothing was detached since; all three are
-# empty for other input.
+# empty for other input. ``bad``, when not empty, asks the cpu kernel to check
+# the tokens of a caller's int32 array: bad[i] becomes the position of request
+# i's first negative token, or -1 (each thread streams over its own requests
+# before walking them, instead of a separate pass over the whole batch).
 MatchBatch = namedtuple(
     "MatchBatch",
-    "toks starts lengths hashes hash_off scope_ids scope_keys memo_rows memo_serials verified trusted path path_off res",
+    "toks starts lengths hashes hash_off scope_ids scope_keys memo_rows memo_serials verified trusted path path_off res bad",
 )
 
 
@@ -247,8 +252,28 @@ def build_match(target: str) -> SimpleNamespace:
         return 0, 0
 
     @jit
-    def match_one(S, B, i, partial, backoff, ssm_lc, tmp):
-        """The whole match of request ``i`` of batch ``B`` (a ``MatchBatch``)."""
+    def begin(S, B, i):
+        """Where the walk of request ``i`` starts: ``(node, count)``, the root
+        of its scope and, for a registered sequence, the blocks its memo still
+        holds (already copied into the path)."""
+        base = B.path_off[i]
+        hash_base = B.hash_off[i] if B.hash_off.shape[0] > 0 else -1
+        node = find_root(S, B.scope_ids[i], B.scope_keys[i]) if B.scope_ids[i] >= 0 else NULL
+        count = 0
+        if B.verified.shape[0] > 0 and node != NULL:
+            count = recall(S, B, i, hash_base, base)
+            # Blocks past a failed check are forgotten now, so that ``remember``
+            # rewrites them: a later trusted recall must never copy a stale row.
+            B.verified[i] = count
+            if count > 0:
+                node = B.path[base + count - 1]
+        return node, count
+
+    @jit
+    def finish(S, B, i, node, count, partial, backoff, ssm_lc, tmp):
+        """The rest of request ``i``'s match once its first ``count`` full
+        blocks are in the path (ending at ``node``): the walk from there, the
+        memo, backoff, pruning and the results."""
         start = B.starts[i]
         n_tok = B.lengths[i]
         T = S.tokens.shape[1]
@@ -256,12 +281,6 @@ def build_match(target: str) -> SimpleNamespace:
         path = B.path
         res = B.res
         hash_base = B.hash_off[i] if B.hash_off.shape[0] > 0 else -1
-        node = find_root(S, B.scope_ids[i], B.scope_keys[i]) if B.scope_ids[i] >= 0 else NULL
-        count = 0
-        if B.verified.shape[0] > 0 and node != NULL:
-            count = recall(S, B, i, hash_base, base)
-            if count > 0:
-                node = path[base + count - 1]
         count, last_n = walk(S, node, count, B.toks, start, n_tok, B.hashes, hash_base, partial, path, base, tmp)
         if B.verified.shape[0] > 0:
             remember(S, B, i, hash_base, base, count, last_n)
@@ -288,6 +307,12 @@ def build_match(target: str) -> SimpleNamespace:
         res[i, RES_NUM_BLOCKS] = count
 
     @jit
+    def match_one(S, B, i, partial, backoff, ssm_lc, tmp):
+        """The whole match of request ``i`` of batch ``B`` (a ``MatchBatch``)."""
+        node, count = begin(S, B, i)
+        finish(S, B, i, node, count, partial, backoff, ssm_lc, tmp)
+
+    @jit
     def hash_one(g, toks, src, dst, first_block, hashes, T):
         """Content hash of global block ``g``: the ``j``-th block to hash of
         request ``i`` (found by binary search) starts at token ``src[i] + j*T``
@@ -311,8 +336,215 @@ def build_match(target: str) -> SimpleNamespace:
             block_ids[dst + k] = B.path[src + k]
 
     return SimpleNamespace(
-        walk=walk, prune=prune, recall=recall, remember=remember, match_one=match_one, hash_one=hash_one, compact_one=compact_one
+        walk=walk, prune=prune, recall=recall, remember=remember, begin=begin, finish=finish, match_one=match_one,
+        block_hash=block_hash, hash_one=hash_one, compact_one=compact_one,
     )
+
+
+# Lanes of the cpu walk: the state of one request in flight, a row of ``lanes``.
+LANES = 16  # requests in flight per thread
+LN_I, LN_J, LN_NFULL, LN_NODE, LN_KEY, LN_KEY1, LN_ROW, LN_COUNT = range(8)
+LN_WIDTH = 8
+HEAD_PENDING = -2  # LN_ROW before the bucket head of LN_KEY was read
+# The counters the threads of one cpu match share: the next request to check
+# (taken CHECK_CHUNK at a time) and the next request to walk. Taking work as it
+# goes, instead of fixed shares, keeps a thread the OS pauses on a busy host
+# from holding up the whole batch.
+CTR_CHECK, CTR_WALK = 0, 1
+CHECK_CHUNK = 8
+
+
+def _build_fetch_add():
+    """``fetch_add(a, i, v)``: atomically add ``v`` to the int64 ``a[i]``; returns the old value."""
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def fetch_add(typingctx, arr, i, v):
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            idx = context.cast(builder, args[1], sig.args[1], types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [idx], wraparound=False)
+            val = context.cast(builder, args[2], sig.args[2], types.int64)
+            return builder.atomic_rmw("add", ptr, val, "seq_cst")
+
+        return types.int64(arr, i, v), codegen
+
+    return fetch_add
+
+
+@functools.lru_cache(maxsize=None)
+def build_lanes() -> SimpleNamespace:
+    """The ``cpu`` walk over full blocks, several requests at a time.
+
+    A walk is a chain of dependent loads (bucket head, then row and tokens),
+    each missing every cache in a large tree; one request at a time, the core
+    mostly waits. Here each thread keeps ``LANES`` requests in flight and
+    advances them round robin, one step per round: a step uses only lines
+    asked for (prefetched) one round earlier, and asks for the ones it needs
+    next, so the misses of all lanes overlap. Each lane follows exactly
+    ``find_child``'s chain order and tests; it stops at the first full block
+    that misses (or at the last full block) and ``finish`` does the rest on the
+    shared path (the partial tail, the partial match, memo, backoff, pruning)."""
+    jit = device_jit("cpu")
+    m = build_match("cpu")
+    t = build_tree("cpu")
+    combine = t.keys.combine
+    block_hash, begin, finish = m.block_hash, m.begin, m.finish
+    hints = build_prefetch("cpu")
+    prefetch1, prefetch2 = hints.prefetch1, hints.prefetch2
+    fetch_add = _build_fetch_add()
+
+    @jit
+    def prefetch_row(S, r):
+        """Every cache line of row ``r`` a step reads: the key..hash_next
+        fields and the tokens (rows do not start on cache lines)."""
+        prefetch2(S.blocks, r, BLK_KEY)
+        prefetch2(S.blocks, r, BLK_HASH_NEXT)
+        T = S.tokens.shape[1]
+        k = 0
+        while k < T:
+            prefetch2(S.tokens, r, k)
+            k += 16
+        prefetch2(S.tokens, r, T - 1)
+
+    @jit
+    def prefetch_query_block(B, i, j, T):
+        """The query tokens a lane reads next round (with many lanes the
+        hardware prefetcher no longer follows the streams): block ``j + 1``,
+        hashed then, or with cached hashes block ``j``, verified then."""
+        if B.hash_off.shape[0] == 0:
+            j += 1
+        if (j + 1) * T <= B.lengths[i]:
+            at = B.starts[i] + j * T
+            k = 0
+            while k < T:
+                prefetch1(B.toks, at + k)
+                k += 16
+            prefetch1(B.toks, at + T - 1)
+
+    @jit
+    def lane_key1(S, B, st, g, i, T):
+        """The key of the lane's next block (if full), and ask for its bucket
+        and for the tokens of the block after it."""
+        j = st[g, LN_J]
+        if j + 1 < st[g, LN_NFULL]:
+            hash_base = B.hash_off[i] if B.hash_off.shape[0] > 0 else -1
+            h = block_hash(B.toks, B.starts[i], B.lengths[i], B.hashes, hash_base, j + 1, T)
+            key1 = combine(st[g, LN_KEY], h)
+            st[g, LN_KEY1] = key1
+            prefetch1(S.buckets, key1 & (S.buckets.shape[0] - 1))
+            prefetch_query_block(B, i, j + 1, T)
+
+    @jit
+    def first_negative(toks, lo, hi):
+        """Position of the first negative token of ``toks[lo:hi]``, or -1.
+
+        Loops index slices from 0: Numba then needs no wraparound check for
+        negative indices, and the OR of all tokens vectorizes (15x faster)."""
+        t = toks[lo:hi]
+        acc = np.int32(0)
+        for k in range(t.shape[0]):
+            acc |= t[k]
+        if acc >= 0:
+            return -1
+        for k in range(t.shape[0]):
+            if t[k] < 0:
+                return k
+        return -1
+
+    @jit
+    def lane_start(S, B, st, g, counters, stop, partial, backoff, ssm_lc, tmp):
+        """Put the next request that has a full block to walk into lane ``g``
+        (requests with none are finished on the spot). Requests are taken
+        one by one from the counter all threads share. ``st[g, LN_I]`` is -1
+        when none is left."""
+        T = S.tokens.shape[1]
+        while True:
+            i = fetch_add(counters, CTR_WALK, 1)
+            if i >= stop:
+                break
+            node, count = begin(S, B, i)
+            nfull = B.lengths[i] // T
+            if node == NULL or count >= nfull:
+                finish(S, B, i, node, count, partial, backoff, ssm_lc, tmp)
+                continue
+            hash_base = B.hash_off[i] if B.hash_off.shape[0] > 0 else -1
+            key = combine(S.blocks[node, BLK_KEY], block_hash(B.toks, B.starts[i], B.lengths[i], B.hashes, hash_base, count, T))
+            st[g, LN_I] = i
+            st[g, LN_J] = count
+            st[g, LN_NFULL] = nfull
+            st[g, LN_NODE] = node
+            st[g, LN_KEY] = key
+            st[g, LN_ROW] = HEAD_PENDING
+            st[g, LN_COUNT] = count
+            prefetch1(S.buckets, key & (S.buckets.shape[0] - 1))
+            prefetch_query_block(B, i, count, T)
+            return
+        st[g, LN_I] = -1
+
+    @jit
+    def lane_step(S, B, st, g):
+        """One step of lane ``g``; True when its full-block walk has ended."""
+        T = S.tokens.shape[1]
+        i = st[g, LN_I]
+        r = st[g, LN_ROW]
+        if r == HEAD_PENDING:
+            r = S.buckets[st[g, LN_KEY] & (S.buckets.shape[0] - 1)]
+            st[g, LN_ROW] = r
+            if r != NULL:
+                prefetch_row(S, r)
+            lane_key1(S, B, st, g, i, T)
+            return False
+        if r == NULL:
+            return True  # block j is not in the tree
+        j = st[g, LN_J]
+        node = st[g, LN_NODE]
+        if S.blocks[r, BLK_KEY] == st[g, LN_KEY] and S.blocks[r, BLK_PARENT] == node and S.blocks[r, BLK_NUM_TOKENS] == T:
+            at = B.starts[i] + j * T
+            row = S.tokens[r]
+            q = B.toks[at:at + T]
+            diff = np.int32(0)
+            for k in range(T):  # slices indexed from 0: vectorized
+                diff |= row[k] ^ q[k]
+            if diff == 0:
+                count = st[g, LN_COUNT]
+                B.path[B.path_off[i] + count] = r
+                st[g, LN_COUNT] = count + 1
+                st[g, LN_NODE] = r
+                j += 1
+                st[g, LN_J] = j
+                if j >= st[g, LN_NFULL]:
+                    return True
+                key = st[g, LN_KEY1]  # asked for one round ago
+                st[g, LN_KEY] = key
+                r = S.buckets[key & (S.buckets.shape[0] - 1)]
+                st[g, LN_ROW] = r
+                if r != NULL:
+                    prefetch_row(S, r)
+                lane_key1(S, B, st, g, i, T)
+                return False
+        r = S.blocks[r, BLK_HASH_NEXT]  # another key (or block) in this bucket
+        st[g, LN_ROW] = r
+        if r != NULL:
+            prefetch_row(S, r)
+        return False
+
+    @jit
+    def check_signs(B, counters, stop):
+        """``B.bad``, in chunks of requests taken from the shared counter: a
+        streaming pass before the walk (inside it, it would evict the lanes'
+        lines)."""
+        if B.bad.shape[0] > 0:
+            while True:
+                lo = fetch_add(counters, CTR_CHECK, CHECK_CHUNK)
+                if lo >= stop:
+                    break
+                for i in range(lo, min(lo + CHECK_CHUNK, stop)):
+                    B.bad[i] = first_negative(B.toks, B.starts[i], B.starts[i] + B.lengths[i])
+
+    return SimpleNamespace(lane_start=lane_start, lane_step=lane_step, finish=finish, check_signs=check_signs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,17 +560,33 @@ def build_match_kernels(target: str) -> SimpleNamespace:
     if target == "cpu":
         from numba import njit
 
+        lanes = build_lanes()
+        helpers.update(lane_start=lanes.lane_start, lane_step=lanes.lane_step, finish=lanes.finish, check_signs=lanes.check_signs)
+
         def kernel(f):
-            return njit(cache=True, nogil=True)(bind_globals(f, **helpers))
+            # Without Numba's reference counting (``_nrt=False``): kernels
+            # allocate nothing, and every read of a table through the ``S``
+            # or ``B`` tuple would otherwise cost an atomic increment and
+            # decrement of the array's count, shared by both threads (in the
+            # walk this made each hop several times slower).
+            return njit(cache=True, nogil=True, _nrt=False)(bind_globals(f, **helpers))
 
         # Work is split over worker threads, each running a serial kernel on a
-        # contiguous range with the GIL released (``_split``). A numba parallel
-        # loop would be shorter, but it drops writes made through the batch
-        # tuple, and waking its thread pool costs milliseconds on a busy host.
+        # share of the batch with the GIL released (``_split_strided``). A numba
+        # parallel loop would be shorter, but it drops writes made through the
+        # batch tuple, and waking its thread pool costs milliseconds on a busy host.
         match_range, hash_range, compact = kernel(_match_cpu_range), kernel(_hash_cpu_range), kernel(_compact_cpu)
 
         def match(S, B, partial, backoff, ssm_lc):
-            _split(B.starts.shape[0], PARALLEL_MIN_REQUESTS, lambda lo, hi: match_range(S, B, lo, hi, partial, backoff, ssm_lc))
+            n = B.starts.shape[0]
+            counters = np.zeros(2, dtype=np.int64)
+
+            def share():
+                tmp = np.empty(2, dtype=np.int64)
+                lanes = np.empty((LANES, LN_WIDTH), dtype=np.int64)
+                match_range(S, B, counters, n, partial, backoff, ssm_lc, tmp, lanes)
+
+            _run_shared(n, PARALLEL_MIN_REQUESTS, share)
 
         def hash_blocks(toks, src, dst, first_block, hashes, T, total):
             _split(total, PARALLEL_MIN_BLOCKS, lambda lo, hi: hash_range(toks, src, dst, first_block, hashes, T, lo, hi))
@@ -373,10 +621,24 @@ def build_match_kernels(target: str) -> SimpleNamespace:
 
 # -- kernels: module level so Numba's disk cache hits (see backend.bind_globals) --------
 # noqa: F821 throughout: helpers and cuda are bound by bind_globals.
-def _match_cpu_range(S, B, lo, hi, partial, backoff, ssm_lc):
-    tmp = np.empty(2, dtype=np.int64)
-    for i in range(lo, hi):
-        match_one(S, B, i, partial, backoff, ssm_lc, tmp)  # noqa: F821
+def _match_cpu_range(S, B, counters, stop, partial, backoff, ssm_lc, tmp, st):
+    """One thread's part of a batch of ``stop`` requests, taking them from the
+    shared ``counters``, ``LANES`` at a time (``st``: the lanes, ``tmp``:
+    scratch of the partial match)."""
+    check_signs(B, counters, stop)  # noqa: F821
+    live = 0
+    for g in range(LANES):
+        lane_start(S, B, st, g, counters, stop, partial, backoff, ssm_lc, tmp)  # noqa: F821
+        if st[g, LN_I] >= 0:
+            live += 1
+    while live > 0:
+        for g in range(LANES):
+            if st[g, LN_I] < 0 or not lane_step(S, B, st, g):  # noqa: F821
+                continue
+            finish(S, B, st[g, LN_I], st[g, LN_NODE], st[g, LN_COUNT], partial, backoff, ssm_lc, tmp)  # noqa: F821
+            lane_start(S, B, st, g, counters, stop, partial, backoff, ssm_lc, tmp)  # noqa: F821
+            if st[g, LN_I] < 0:
+                live -= 1
 
 
 def _hash_cpu_range(toks, src, dst, first_block, hashes, T, lo, hi):
@@ -433,6 +695,19 @@ def _split(n: int, minimum: int, run):
     bounds = [n * w // k for w in range(k + 1)]
     jobs = [workers.submit(run, bounds[w], bounds[w + 1]) for w in range(1, k)]
     run(bounds[0], bounds[1])
+    for job in jobs:
+        job.result()
+
+
+def _run_shared(n: int, minimum: int, run):
+    """``run()`` on the calling thread and, unless ``n`` is small, on every
+    pool worker too; the runs share out the work themselves."""
+    workers, k = _pool()
+    if n < minimum or workers is None:
+        run()
+        return
+    jobs = [workers.submit(run) for _ in range(1, k)]
+    run()
     for job in jobs:
         job.result()
 
