@@ -207,10 +207,7 @@ class EventTracker:
                 else:
                     self.counts["updated_unannounced_group"] += 1
             else:  # pragma: no cover
-                raise AssertionError(f"unknown event data {data!r}")
-
-    def announced_pairs(self) -> set:
-        return set(self.announced)
+                raise TypeError(f"unknown event data {data!r}")
 
     # -- against the tree --------------------------------------------------------------------
     def _hash(self, key: bytes):
