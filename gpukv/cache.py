@@ -221,7 +221,8 @@ class KVCache:
         self._q.tokens[n0:n1] = self._backend.to_device(arr)
         blocks = -(-n1 // self._T)
         self._mgr._tables.ensure_free_blocks(blocks + 2)
-        self._mgr._tables.ensure_log_tokens(2 * blocks + 2)  # new blocks and a re-attached chain
+        # New blocks, a re-attached chain, and a rebase announcing each life cycle.
+        self._mgr._tables.ensure_log_tokens((self._num_life_cycles + 2) * blocks + 2)
         self._launch(SEQ_COMMIT, n0, arr.size, int(bool(is_end)), need=2)
 
     def stop_committing(self):

@@ -648,7 +648,6 @@ def test_scenario_events_are_consistent(scenario, kwargs, monkeypatch):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(raises=AssertionError, strict=True, reason="kernel bug: snapshot_partial announces a block detached by its own eviction")
 def test_a_partial_snapshot_never_announces_a_detached_block():
     """commit_min_snapshot, a two-page pool. A's partial snapshot leaves
     [7, 8] in the tree with a whole-block page (announced). B commits
@@ -670,7 +669,6 @@ def test_a_partial_snapshot_never_announces_a_detached_block():
     tracker.step()  # ... so nothing may stay announced
 
 
-@pytest.mark.xfail(raises=TreeError, strict=True, reason="host bug: commit sizes log_tokens for 2 rows per block, a rebase may announce L")
 def test_a_rebase_announcing_many_life_cycles_fits_the_log():
     """Three SWA life cycles. A commits 30 blocks with history = capacity, so
     blocks 0..28 (stale) get no pages. B commits the same tokens with every

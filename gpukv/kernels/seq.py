@@ -675,7 +675,9 @@ def build_seq(target: str):
                     Q.counts[lc] = 1  # attached
         if ssm:
             snapshot_ssm(S, Q, tb, o * T + n, False)
-        if is_new:
+        if not is_attached(S, tb):
+            pass  # making room for a copy evicted the block's own subtree: nothing to announce
+        elif is_new:
             announce(S, tb, EV_STORED_BLOCK, NULL)
         else:
             for lc in range(L):
