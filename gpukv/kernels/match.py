@@ -49,8 +49,8 @@ PARALLEL_MIN_BLOCKS = 256  # and so do small hashing jobs
 # in place) and trusted[i] whether nothing was detached since; all three are
 # empty for other input. ``bad``, when not empty, asks the cpu kernel to check
 # the tokens of a caller's int32 array: bad[i] becomes the position of request
-# i's first negative token, or -1 (each thread streams over its own requests
-# before walking them, instead of a separate pass over the whole batch).
+# i's first negative token, or -1 (checked as the request enters a lane,
+# instead of a separate host pass over the whole batch).
 MatchBatch = namedtuple(
     "MatchBatch",
     "toks starts lengths hashes hash_off scope_ids scope_keys memo_rows memo_serials verified trusted path path_off res bad",
@@ -342,16 +342,14 @@ def build_match(target: str) -> SimpleNamespace:
 
 
 # Lanes of the cpu walk: the state of one request in flight, a row of ``lanes``.
-LANES = 16  # requests in flight per thread
+LANES = 8  # requests in flight per thread (4 to 16 measure alike on 2 cores)
 LN_I, LN_J, LN_NFULL, LN_NODE, LN_KEY, LN_KEY1, LN_ROW, LN_COUNT = range(8)
 LN_WIDTH = 8
 HEAD_PENDING = -2  # LN_ROW before the bucket head of LN_KEY was read
-# The counters the threads of one cpu match share: the next request to check
-# (taken CHECK_CHUNK at a time) and the next request to walk. Taking work as it
-# goes, instead of fixed shares, keeps a thread the OS pauses on a busy host
-# from holding up the whole batch.
-CTR_CHECK, CTR_WALK = 0, 1
-CHECK_CHUNK = 8
+# The counter the threads of one cpu match share: the next request to take.
+# Taking work as it goes, instead of fixed shares, keeps a thread the OS
+# pauses on a busy host from holding up the whole batch.
+CTR_WALK = 0
 
 
 def _build_fetch_add():
@@ -465,6 +463,10 @@ def build_lanes() -> SimpleNamespace:
             i = fetch_add(counters, CTR_WALK, 1)
             if i >= stop:
                 break
+            if B.bad.shape[0] > 0:
+                # The request's tokens stream through the cache here, so the
+                # walk then finds its query blocks in L2.
+                B.bad[i] = first_negative(B.toks, B.starts[i], B.starts[i] + B.lengths[i])
             node, count = begin(S, B, i)
             nfull = B.lengths[i] // T
             if node == NULL or count >= nfull:
@@ -531,20 +533,7 @@ def build_lanes() -> SimpleNamespace:
             prefetch_row(S, r)
         return False
 
-    @jit
-    def check_signs(B, counters, stop):
-        """``B.bad``, in chunks of requests taken from the shared counter: a
-        streaming pass before the walk (inside it, it would evict the lanes'
-        lines)."""
-        if B.bad.shape[0] > 0:
-            while True:
-                lo = fetch_add(counters, CTR_CHECK, CHECK_CHUNK)
-                if lo >= stop:
-                    break
-                for i in range(lo, min(lo + CHECK_CHUNK, stop)):
-                    B.bad[i] = first_negative(B.toks, B.starts[i], B.starts[i] + B.lengths[i])
-
-    return SimpleNamespace(lane_start=lane_start, lane_step=lane_step, finish=finish, check_signs=check_signs)
+    return SimpleNamespace(lane_start=lane_start, lane_step=lane_step, finish=finish)
 
 
 @functools.lru_cache(maxsize=None)
@@ -561,7 +550,7 @@ def build_match_kernels(target: str) -> SimpleNamespace:
         from numba import njit
 
         lanes = build_lanes()
-        helpers.update(lane_start=lanes.lane_start, lane_step=lanes.lane_step, finish=lanes.finish, check_signs=lanes.check_signs)
+        helpers.update(lane_start=lanes.lane_start, lane_step=lanes.lane_step, finish=lanes.finish)
 
         def kernel(f):
             # Without Numba's reference counting (``_nrt=False``): kernels
@@ -579,7 +568,7 @@ def build_match_kernels(target: str) -> SimpleNamespace:
 
         def match(S, B, partial, backoff, ssm_lc):
             n = B.starts.shape[0]
-            counters = np.zeros(2, dtype=np.int64)
+            counters = np.zeros(1, dtype=np.int64)
 
             def share():
                 tmp = np.empty(2, dtype=np.int64)
@@ -625,7 +614,6 @@ def _match_cpu_range(S, B, counters, stop, partial, backoff, ssm_lc, tmp, st):
     """One thread's part of a batch of ``stop`` requests, taking them from the
     shared ``counters``, ``LANES`` at a time (``st``: the lanes, ``tmp``:
     scratch of the partial match)."""
-    check_signs(B, counters, stop)  # noqa: F821
     live = 0
     for g in range(LANES):
         lane_start(S, B, st, g, counters, stop, partial, backoff, ssm_lc, tmp)  # noqa: F821
