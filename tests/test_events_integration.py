@@ -23,8 +23,7 @@ page deaths, subtree removals, eviction and migration to the host tier.
   memory pressure (pages dropped) and with a host tier (pages migrated both
   ways, the consumer's cache levels checked against the pages).
 
-Known failures on the gpukv side are pinned by strict xfails at the end; the
-pressure runs xfail (only) on the one known kernel bug they can hit.
+Two kernel bugs these checks found have regression tests at the end.
 """
 
 from __future__ import annotations
@@ -231,13 +230,20 @@ def test_e14_migration_to_the_host_tier_emits_updated():
     assert tracker.announced == {}
 
 
-def test_eviction_without_a_host_tier_removes_the_evicted_blocks():
+def two_cached_blocks():
+    """A four-page pool whose tree holds [0..3] -> [4..7] (T = 4), committed
+    and released; returns the manager, its tracker, the tokens and the two
+    block hashes."""
     T = 4
     mgr = events_manager(tokens_per_block=T, pages_per_life_cycle=4)
     tracker = EventTracker(mgr)
     tokens = list(range(8))
-    h0, h1 = chain_hashes(T, tokens)
     commit_turn(mgr, tokens)
+    return mgr, tracker, tokens, chain_hashes(T, tokens)
+
+
+def test_eviction_without_a_host_tier_removes_the_evicted_blocks():
+    mgr, tracker, _, (h0, h1) = two_cached_blocks()
     assert brief(tracker.drain()) == [("stored", 0, (h0, h1))]
     kv = mgr.create_kv_cache()
     assert kv.resume() is not False
@@ -252,12 +258,7 @@ def test_eviction_without_a_host_tier_removes_the_evicted_blocks():
 
 
 def test_evicting_a_parent_removes_its_subtree_in_one_event():
-    T = 4
-    mgr = events_manager(tokens_per_block=T, pages_per_life_cycle=4)
-    tracker = EventTracker(mgr)
-    tokens = list(range(8))
-    h0, h1 = chain_hashes(T, tokens)
-    commit_turn(mgr, tokens)
+    mgr, tracker, tokens, (h0, h1) = two_cached_blocks()
     tracker.drain()
     b0_page, _ = introspect.reuse_match_pages(mgr, tokens, 0)[1][0]
     mgr._tree.page_death(b0_page)  # full attention: nothing below B0 is reusable any more
@@ -509,21 +510,6 @@ SUBSET = ["F-nopartial-backoff", "F+S", "S+F+Ssink-cms-backoff", "S-only-cms", "
 SUBSET_CONFIGS = [c for c in differential.CONFIGS if c[0] in SUBSET]
 STEPS = 200
 
-DETACHED_ANNOUNCE = "is announced but no attached block has that hash"
-
-
-def run_pressure(lock: EventLockstep, steps: int):
-    """Run a workload under memory pressure; the one known kernel bug it can
-    hit (``test_a_partial_snapshot_never_announces_a_detached_block``: with
-    commit_min_snapshot a partial snapshot announces a block its own
-    eviction detached) makes the test xfail instead of fail."""
-    try:
-        lock.run_steps(steps)
-    except AssertionError as e:
-        if lock.cms and DETACHED_ANNOUNCE in str(e):
-            pytest.xfail(f"known kernel bug (a partial snapshot announces a detached block): {e}")
-        raise
-
 
 @pytest.mark.parametrize("config", differential.CONFIGS, ids=differential.CONFIG_IDS)
 def test_conversation_events_are_consistent(config):
@@ -533,7 +519,7 @@ def test_conversation_events_are_consistent(config):
 @pytest.mark.parametrize("config", SUBSET_CONFIGS, ids=[c[0] for c in SUBSET_CONFIGS])
 def test_conversation_events_under_memory_pressure_are_consistent(config):
     lock = EventLockstep(random.Random(0), config, differential.PRESSURE_POOL)
-    run_pressure(lock, STEPS)
+    lock.run_steps(STEPS)
     assert lock.mgr.get_and_reset_eviction_stats()["dropped"] > 0
 
 
@@ -558,7 +544,7 @@ def test_conversation_events_are_consistent_long(config, seed):
 @pytest.mark.parametrize("pool", [differential.PRESSURE_POOL, 12])
 @pytest.mark.parametrize("seed", range(1, 5))
 def test_conversation_events_under_memory_pressure_are_consistent_long(config, pool, seed):
-    run_pressure(EventLockstep(random.Random(seed), config, pool), 1000)
+    EventLockstep(random.Random(seed), config, pool).run_steps(1000)
 
 
 @pytest.mark.slow
@@ -644,7 +630,7 @@ def test_scenario_events_are_consistent(scenario, kwargs, monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# known kernel-side failures (strict xfails: they fail loudly once fixed)
+# regression tests of kernel bugs the event checks found
 # ---------------------------------------------------------------------------
 
 
@@ -655,8 +641,9 @@ def test_a_partial_snapshot_never_announces_a_detached_block():
     is detached: removed), then copying B's page into the tree needs a GPU
     slot, and the only victim is that adopted page; its death removes the
     new block again (unannounced, so silently). The copy then lands in the
-    detached block, and ``snapshot_partial`` announces it: a stored event for
-    a block that is not in the tree and will never be reported removed."""
+    detached block, which ``snapshot_partial`` used to announce: a stored
+    event for a block that is not in the tree and would never be reported
+    removed. It now announces only a block still in the tree."""
     mgr = events_manager(tokens_per_block=4, pages_per_life_cycle=2, commit_min_snapshot=True)
     tracker = EventTracker(mgr)
     commit_turn(mgr, [7, 8])
@@ -674,9 +661,9 @@ def test_a_rebase_announcing_many_life_cycles_fits_the_log():
     blocks 0..28 (stale) get no pages. B commits the same tokens with every
     page (history 0): each of the 29 blocks rebases and announces all three
     life cycles (one EV_STORED_LIFE_CYCLE header, with a token row, each),
-    87 token rows, more than ``KVCache.commit``'s ``ensure_log_tokens(2 *
-    blocks + 2)`` (62) and the initial 64: the kernel stops with
-    ERR_LOG_FULL (a TreeError after the commit changed the tree)."""
+    87 token rows. ``KVCache.commit`` used to reserve ``2 * blocks + 2``
+    rows (62), so the kernel stopped with ERR_LOG_FULL after the commit had
+    changed the tree; it now reserves ``(life cycles + 2) * blocks + 2``."""
     T, B = 4, 30
     mgr = events_manager(
         tokens_per_block=T, layers=[Attention(window=4), Attention(window=5), Attention(window=6)],

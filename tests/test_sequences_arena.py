@@ -300,6 +300,28 @@ def test_rematching_after_the_tree_changes(backend):
     assert agree(mgr, seq, s) == 12
 
 
+def test_a_rematch_memoizes_the_new_rows_of_blocks_that_moved(backend):
+    """The memo stops holding at block 1 and the same match finds blocks 1 and
+    2 again in other rows: the memo must take the new rows, or the next
+    (trusted: nothing detached since) recall returns the old ones."""
+    T = 4
+    mgr, p1, _ = tree_manager(backend, T)
+    seq = mgr.token_sequence(p1)
+    assert agree(mgr, seq) == 12
+    old = mgr.match_batch([p1]).to_host().blocks(0).tolist()
+    mgr._tree.remove_subtree(mgr._tree.ref(old[1]))
+    p3 = p1[:T] + [50 + k for k in range(2 * T)]
+    assert introspect.insert_sequence(mgr, p3) == 3  # takes the freed rows
+    assert introspect.insert_sequence(mgr, p1) == 3  # p1's blocks 1, 2 in other rows
+    new = mgr.match_batch([p1]).to_host().blocks(0).tolist()
+    assert new[0] == old[0] and not set(new[1:]) & set(old[1:])
+    detaches = int(mgr._tables.counters_host()[CNT_DETACHES])
+    assert agree(mgr, seq) == 12  # recall stops at block 1, the walk finds the new rows
+    assert agree(mgr, seq) == 12  # trusted recall
+    assert int(mgr._tables.counters_host()[CNT_DETACHES]) == detaches
+    assert mgr.match_batch([seq]).to_host().blocks(0).tolist() == new
+
+
 def test_a_memoized_sequence_keeps_growing(backend):
     T = 4
     mgr, p1, p2 = tree_manager(backend, T)

@@ -560,10 +560,12 @@ def build_match_kernels(target: str) -> SimpleNamespace:
             # walk this made each hop several times slower).
             return njit(cache=True, nogil=True, _nrt=False)(bind_globals(f, **helpers))
 
-        # Work is split over worker threads, each running a serial kernel on a
-        # share of the batch with the GIL released (``_split_strided``). A numba
-        # parallel loop would be shorter, but it drops writes made through the
-        # batch tuple, and waking its thread pool costs milliseconds on a busy host.
+        # Work runs on worker threads, each a serial kernel with the GIL
+        # released: matching takes requests from a shared counter
+        # (``_run_shared``), hashing splits blocks into contiguous shares
+        # (``_split``). A numba parallel loop would be shorter, but it drops
+        # writes made through the batch tuple, and waking its thread pool
+        # costs milliseconds on a busy host.
         match_range, hash_range, compact = kernel(_match_cpu_range), kernel(_hash_cpu_range), kernel(_compact_cpu)
 
         def match(S, B, partial, backoff, ssm_lc):
