@@ -47,7 +47,6 @@ from gpukv.events import (
     UniqueToken,
 )
 from gpukv.hashing import sequence_to_blockchain_keys
-from gpukv.tree import TreeError
 
 try:  # tests/ is on sys.path under pytest's default import mode
     import test_kvcache_differential as differential
