@@ -93,6 +93,7 @@ DeviceTables = namedtuple(
     ],
 )
 
+_DEVICE_FIELDS = frozenset(DeviceTables._fields)
 INITIAL_BLOCK_ROWS = 256
 UNKNOWN_DIGEST = -(2**31)  # stands for any digest no block holds
 
@@ -141,7 +142,9 @@ class Tables:
             pages[rows_of_lc, PAGE_LIFE_CYCLE] = lc
             row_free[rows_of_lc] = rows_of_lc[::-1]  # pop the lowest row first
         self.num_pages = total
-        self.log = xp.zeros((_log_rows(rows, total), LOG.width), dtype=np.int64)
+        # Not zeroed: the kernels clear each record as they append it, and
+        # the rows no launch reaches are never touched (so never paged in).
+        self.log = xp.empty((_log_rows(rows, total), LOG.width), dtype=np.int64)
         self.pages = backend.to_device(pages)
         self.page_free = backend.to_device(page_free)
         self.pool_start = backend.to_device(starts)
@@ -181,7 +184,17 @@ class Tables:
     # -- views ------------------------------------------------------------------
     @property
     def device(self) -> DeviceTables:
-        return DeviceTables(*(getattr(self, f) for f in DeviceTables._fields))
+        """The arrays the kernels take, as one tuple; built again only after
+        one of them was replaced (a table grew)."""
+        d = self.__dict__.get("_device")
+        if d is None:
+            d = self._device = DeviceTables(*(getattr(self, f) for f in DeviceTables._fields))
+        return d
+
+    def __setattr__(self, name, value):
+        if name in _DEVICE_FIELDS:
+            self.__dict__.pop("_device", None)
+        object.__setattr__(self, name, value)
 
     @property
     def num_rows(self) -> int:
@@ -222,7 +235,7 @@ class Tables:
         self.blocks, self.tokens, self.slots, self.block_free = blocks, tokens, slots, block_free
         self.counters[CNT_BLOCK_FREE_TOP] = free + extra
         # The log is drained after every operation, so it is empty here.
-        self.log = xp.zeros((_log_rows(new, self.num_pages), LOG.width), dtype=np.int64)
+        self.log = xp.empty((_log_rows(new, self.num_pages), LOG.width), dtype=np.int64)
         self._rebuild_index(_pow2_at_least(2 * new))
 
     def _rebuild_index(self, num_buckets: int):
