@@ -6,10 +6,15 @@ same requests.
     from bench.matchbench import build_workload   # with the repository root on sys.path
     from gpukv.workload import find_mooncake_trace
     w = build_workload(find_mooncake_trace(), 4000, 1024)
+
+``GPUKV_BENCH_BACKEND`` picks gpukv's backend (default ``cpu``; ``cuda`` on a
+machine with a GPU, where flat queries are handed over as device arrays and
+every timed call ends with a device synchronize).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +27,7 @@ from gpukv.workload import as_flat, load_mooncake_trace
 
 T = 32  # tokens per block, for gpukv and the baseline alike
 BATCHES = (1, 64, 1024)
+BACKEND = os.environ.get("GPUKV_BENCH_BACKEND", "cpu")
 
 
 # -- the Python baseline ---------------------------------------------------------------------
@@ -120,14 +126,29 @@ class MatchWorkload:
 
             pytest.skip(f"batch {B} needs more than the {len(self.queries)} queries (GPUKV_BENCH_QUERIES)")
 
-    def flat(self, B: int):
-        return as_flat(self.queries[:B])
+    def flat(self, B: int, device: bool = False):
+        """The first ``B`` queries as ``(int32 tokens, int64 offsets)``; with
+        ``device``, already on the manager's device (as a scheduler on
+        ``cuda`` keeps them)."""
+        flat, offsets = as_flat(self.queries[:B])
+        if device:
+            b = self.mgr._backend
+            flat, offsets = b.to_device(flat), b.to_device(offsets)
+        return flat, offsets
+
+    def match(self, requests) -> gpukv.BatchMatch:
+        """``match_batch``, finished: on a GPU the kernels run asynchronously,
+        so a timed call waits for them."""
+        m = self.mgr.match_batch(requests)
+        self.mgr._backend.synchronize()
+        return m
 
     def info(self, B: int, case: str) -> dict:
         toks = int(sum(q.size for q in self.queries[:B]))
         return {
             "case": case,
             "batch": B,
+            "backend": self.mgr._backend.name,
             "query_tokens": toks,
             "inserted_requests": self.inserted,
             "inserted_tokens": self.inserted_tokens,
@@ -154,7 +175,7 @@ def build_workload(path, n_ins: int, n_q: int) -> MatchWorkload:
     t0 = time.perf_counter()
     pages = sum(-(-t.size // T) for t in inserted)  # every block gets a page: no pruning
     mgr = gpukv.KVCacheManager(
-        gpukv.CacheConfig(tokens_per_block=T, layers=[gpukv.Attention()], pages_per_life_cycle=pages, backend="cpu")
+        gpukv.CacheConfig(tokens_per_block=T, layers=[gpukv.Attention()], pages_per_life_cycle=pages, backend=BACKEND)
     )
     for toks in inserted:
         introspect.insert_sequence(mgr, toks)

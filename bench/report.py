@@ -82,8 +82,11 @@ def report(path: str, stat: str = "median", out=sys.stdout):
     if not (d["results"] or d["sweep"] or d["commit"] or d["evict"]):
         raise SystemExit(f"{path}: no benchmarks of bench/ (extra_info without 'case' or 'suite')")
     m = d["machine"]
+    infos = [i for _, i in d["results"].values()] + [i for _, i in d["sweep"]]
+    backends = sorted({i["backend"] for i in infos if i.get("backend", "python") != "python"}) or ["cpu"]
     print(f"{path} ({d['when']}; {m.get('cpu', {}).get('brand_raw', '?')}, "
-          f"{m.get('cpu', {}).get('count', '?')} CPUs; stat: {stat} time per call)\n", file=out)
+          f"{m.get('cpu', {}).get('count', '?')} CPUs; gpukv backend: {', '.join(backends)}; "
+          f"stat: {stat} time per call)\n", file=out)
     if d["results"]:
         report_match(d, out)
     if d["sweep"]:

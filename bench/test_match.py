@@ -4,7 +4,7 @@ Per batch size (one benchmark group each), the same queries (the trace
 requests right after the inserted ones) as:
 
 * ``lists``: Python lists of ints, converted inside ``match_batch``;
-* ``flat``: one int32 array with int64 offsets;
+* ``flat``: one int32 array with int64 offsets (on ``cuda`` already on the GPU);
 * ``registered``: ``TokenSequence``s created (and hashed by one match) before
   timing, as a scheduler re-matching its waiting queue keeps them;
 * ``registered_cold``: fresh ``TokenSequence``s, so the timed match also
@@ -37,7 +37,7 @@ def test_gpukv_lists(benchmark, workload, B):
     w.require(B)
     lists = w.lists[:B]
     benchmark.extra_info.update(w.info(B, "lists"))
-    m = benchmark(w.mgr.match_batch, lists)
+    m = benchmark(w.match, lists)
     check_match(w, B, m)
 
 
@@ -45,9 +45,9 @@ def test_gpukv_lists(benchmark, workload, B):
 def test_gpukv_flat(benchmark, workload, B):
     w = workload
     w.require(B)
-    flat, offsets = w.flat(B)
+    flat, offsets = w.flat(B, device=True)
     benchmark.extra_info.update(w.info(B, "flat"))
-    m = benchmark(w.mgr.match_batch, (flat, offsets))
+    m = benchmark(w.match, (flat, offsets))
     check_match(w, B, m)
 
 
@@ -57,7 +57,7 @@ def test_gpukv_registered(benchmark, workload, B):
     w.require(B)
     seqs = w.registered[:B]  # created and hashed in the fixture, outside timing
     benchmark.extra_info.update(w.info(B, "registered"))
-    m = benchmark(w.mgr.match_batch, seqs)
+    m = benchmark(w.match, seqs)
     check_match(w, B, m)
 
 
@@ -75,7 +75,7 @@ def test_gpukv_registered_cold(benchmark, workload, B):
 
     benchmark.extra_info.update(w.info(B, "registered_cold"))
     rounds = 5 if B >= 64 else 50
-    m = benchmark.pedantic(w.mgr.match_batch, setup=fresh, rounds=rounds, iterations=1)
+    m = benchmark.pedantic(w.match, setup=fresh, rounds=rounds, iterations=1)
     check_match(w, B, m)
     for s in made:
         s.release()
@@ -129,7 +129,7 @@ def test_partial_reuse_on_rewound_queries(benchmark, workload):
     full = base.match([q.tolist() for q in queries])
     expected = [base.expected_partial(q, n) for q, n in zip(queries, full)]
     benchmark.extra_info.update(query_tokens=int(sum(q.size for q in queries)), reused_tokens=int(sum(expected)))
-    got = benchmark(w.mgr.match_batch, queries).to_host().num_tokens
+    got = benchmark(w.match, queries).to_host().num_tokens
     assert got.tolist() == expected
     assert all(e >= c for e, c in zip(expected, cuts))  # at least the rewind point is reused
     assert sum(e % 32 != 0 for e in expected) >= 32  # and mostly mid-block
