@@ -44,7 +44,7 @@ class KVCacheManager:
         self._matcher = Matcher(self._tables, self._tree, self._arena, config)
         self._open_caches: set[KVCache] = set()
         self._stats = ReuseStats()
-        self._copies = [0] * len(config.life_cycles)
+        self._copies = np.zeros(len(config.life_cycles), dtype=np.int64)  # intra-device copies per life cycle
         # Real page memory: one [pages, page_bytes] byte array per life cycle
         # and cache level (GPU pools on the device, host pools in host memory).
         nbytes = config.page_bytes
@@ -154,12 +154,11 @@ class KVCacheManager:
         """Carry out the page data copies a launch recorded, in order. Runs of
         copies between the same two pools go as one gather/scatter when no copy
         in the run reads or overwrites a slot another one writes."""
-        key = copies[:, [COPY_LIFE_CYCLE, COPY_SRC_LEVEL, COPY_DST_LEVEL]]
         intra = (copies[:, COPY_SRC_LEVEL] == 0) & (copies[:, COPY_DST_LEVEL] == 0)
-        for lc in copies[intra, COPY_LIFE_CYCLE]:
-            self._copies[int(lc)] += 1
+        self._copies += np.bincount(copies[intra, COPY_LIFE_CYCLE], minlength=len(self._copies))
         if not self.config.page_bytes:
             return
+        key = copies[:, [COPY_LIFE_CYCLE, COPY_SRC_LEVEL, COPY_DST_LEVEL]]
         breaks = np.nonzero((key[1:] != key[:-1]).any(axis=1))[0] + 1
         for run in np.split(np.arange(len(copies)), breaks):
             lc, src_level, dst_level = (int(x) for x in key[run[0]])
@@ -204,9 +203,9 @@ class KVCacheManager:
         "iter_intra_device_copy_bytes"}}`` for life cycles that copied."""
         out = {
             lc: {"iter_intra_device_copy_blocks": n, "iter_intra_device_copy_bytes": n * self.config.page_bytes}
-            for lc, n in enumerate(self._copies) if n
+            for lc, n in enumerate(self._copies.tolist()) if n
         }
-        self._copies = [0] * len(self._copies)
+        self._copies[:] = 0
         return out
 
     # -- maintenance -----------------------------------------------------------------------
