@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..backend import bind_globals, device_jit
+from ..backend import bind_globals, cpu_kernel, device_jit
 from ..config import KIND_SSM
 from ..layout import (
     BLK_FIRST_NEXT, BLK_FLAGS, BLK_HASH_NEXT, BLK_KEY, BLK_NUM_TOKENS, BLK_PARENT, BLK_SERIAL, FLAG_ATTACHED, NULL,
@@ -547,18 +547,11 @@ def build_match_kernels(target: str) -> SimpleNamespace:
     helpers = dict(match_one=m.match_one, hash_one=m.hash_one, compact_one=m.compact_one)
 
     if target == "cpu":
-        from numba import njit
-
         lanes = build_lanes()
         helpers.update(lane_start=lanes.lane_start, lane_step=lanes.lane_step, finish=lanes.finish)
 
         def kernel(f):
-            # Without Numba's reference counting (``_nrt=False``): kernels
-            # allocate nothing, and every read of a table through the ``S``
-            # or ``B`` tuple would otherwise cost an atomic increment and
-            # decrement of the array's count, shared by both threads (in the
-            # walk this made each hop several times slower).
-            return njit(cache=True, nogil=True, _nrt=False)(bind_globals(f, **helpers))
+            return cpu_kernel(bind_globals(f, **helpers), nogil=True)
 
         # Work runs on worker threads, each a serial kernel with the GIL
         # released: matching takes requests from a shared counter

@@ -19,7 +19,7 @@ import functools
 from collections import namedtuple
 
 
-from ..backend import bind_globals, device_jit
+from ..backend import bind_globals, cpu_kernel, device_jit
 from ..config import DEFAULT_PRIORITY, KIND_SSM, KIND_SWA
 from ..layout import (
     CNT_ERROR,
@@ -790,9 +790,7 @@ def build_seq_kernel(target: str):
     """``run(S, Q, op)``: one sequence operation, serially."""
     seq_op = build_seq(target)
     if target == "cpu":
-        from numba import njit
-
-        return njit(cache=True)(bind_globals(_run_cpu, seq_op=seq_op))
+        return cpu_kernel(bind_globals(_run_cpu, seq_op=seq_op))
 
     from numba import cuda
 

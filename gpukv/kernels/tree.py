@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..backend import bind_globals, device_jit
+from ..backend import bind_globals, cpu_kernel, device_jit
 from ..config import DEFAULT_PRIORITY, KIND_FULL, KIND_SSM
 from ..layout import (
     BLK_DIGEST,
@@ -1028,9 +1028,7 @@ def build_tree_kernel(target: str):
         end_launch(S)
 
     if target == "cpu":
-        from numba import njit
-
-        return njit(cache=True)(bind_globals(_run_cpu, tree_op=tree_op))
+        return cpu_kernel(bind_globals(_run_cpu, tree_op=tree_op))
 
     from numba import cuda
 
