@@ -14,6 +14,7 @@ import os
 import pytest
 
 from gpukv.workload import find_mooncake_trace
+
 from .matchbench import BATCHES, MatchWorkload, build_workload
 
 

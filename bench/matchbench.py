@@ -104,6 +104,14 @@ class HashChainIndex:
         return n_full + best
 
 
+def finished_match(mgr: gpukv.KVCacheManager, requests) -> gpukv.BatchMatch:
+    """``match_batch``, finished: on a GPU the kernels run asynchronously, so
+    a timed call waits for them."""
+    m = mgr.match_batch(requests)
+    mgr._backend.synchronize()
+    return m
+
+
 # -- the workload ------------------------------------------------------------------------------
 @dataclass
 class MatchWorkload:
@@ -137,11 +145,7 @@ class MatchWorkload:
         return flat, offsets
 
     def match(self, requests) -> gpukv.BatchMatch:
-        """``match_batch``, finished: on a GPU the kernels run asynchronously,
-        so a timed call waits for them."""
-        m = self.mgr.match_batch(requests)
-        self.mgr._backend.synchronize()
-        return m
+        return finished_match(self.mgr, requests)
 
     def info(self, B: int, case: str) -> dict:
         toks = int(sum(q.size for q in self.queries[:B]))
