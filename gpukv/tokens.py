@@ -73,7 +73,7 @@ def flatten(requests: Sequence, intern: Callable[[bytes], int]) -> tuple[np.ndar
         if bad.any():
             k = int(np.argmax(bad))
             i, pos = int(owner[k]), int(negative[k] - offsets[owner[k]])
-            raise TokenError(f"request {i}: token {int(flat[negative[k]])} at position {pos} is outside 0..{MAX_TOKEN_ID}")
+            raise token_error(i, pos, int(flat[negative[k]]))
     return flat, offsets
 
 
@@ -111,8 +111,9 @@ def check_flat(flat, offsets, xp, tokens: bool = True) -> tuple:
     return flat.astype(np.int32, copy=False), offsets
 
 
-def token_error(request: int, position: int, token: int) -> TokenError:
-    return TokenError(f"request {request}: token {token} at position {position} is outside 0..{MAX_TOKEN_ID}")
+def token_error(request: int | None, position: int, token: int) -> TokenError:
+    """The error for a token outside the id range, naming where it stands."""
+    return TokenError(f"{_where(request)}token {token} at position {position} is outside 0..{MAX_TOKEN_ID}")
 
 
 def _host(a):
@@ -128,14 +129,14 @@ def _from_ndarray(a: np.ndarray, request) -> np.ndarray:
         lo, hi = int(a.min()), int(a.max())
         if lo < 0 or hi > MAX_TOKEN_ID:
             bad = int(np.argmax((a < 0) | (a > MAX_TOKEN_ID)))
-            raise TokenError(f"{_where(request)}token {int(a[bad])} at position {bad} is outside 0..{MAX_TOKEN_ID}")
+            raise token_error(request, bad, int(a[bad]))
     return a.astype(np.int32, copy=False)
 
 
 def _check_sign(a: np.ndarray, request):
     if a.size and int(a.min()) < 0:
         bad = int(np.argmax(a < 0))
-        raise TokenError(f"{_where(request)}token {int(a[bad])} at position {bad} is outside 0..{MAX_TOKEN_ID}")
+        raise token_error(request, bad, int(a[bad]))
 
 
 def _slow(tokens, intern, request) -> np.ndarray:
@@ -151,7 +152,7 @@ def _slow(tokens, intern, request) -> np.ndarray:
             digests.append(pos)
         elif isinstance(tok, (int, np.integer)):
             if not 0 <= tok <= MAX_TOKEN_ID:
-                raise TokenError(f"{_where(request)}token {tok} at position {pos} is outside 0..{MAX_TOKEN_ID}")
+                raise token_error(request, pos, tok)
             out[pos] = tok
         else:
             raise TypeError(f"{_where(request)}token at position {pos} must be an int or 32-byte digest, got {tok!r}")
