@@ -668,31 +668,28 @@ def _pool():
     return _POOL[0]
 
 
-def _split(n: int, minimum: int, run):
-    """``run(lo, hi)`` over ``[0, n)``: on the calling thread when ``n`` is
-    small, else in contiguous shares over the worker threads and the caller."""
+def _fan_out(n: int, minimum: int, run_share):
+    """``run_share(w, k)`` for each share ``w`` of ``k``: share 0 on the
+    calling thread, the others on pool workers; one share (``k = 1``) on the
+    caller alone when ``n`` is small or there is no pool."""
     workers, k = _pool()
     if n < minimum or workers is None:
-        run(0, n)
+        run_share(0, 1)
         return
-    bounds = [n * w // k for w in range(k + 1)]
-    jobs = [workers.submit(run, bounds[w], bounds[w + 1]) for w in range(1, k)]
-    run(bounds[0], bounds[1])
+    jobs = [workers.submit(run_share, w, k) for w in range(1, k)]
+    run_share(0, k)
     for job in jobs:
         job.result()
+
+
+def _split(n: int, minimum: int, run):
+    """``run(lo, hi)`` over ``[0, n)`` in contiguous shares (see ``_fan_out``)."""
+    _fan_out(n, minimum, lambda w, k: run(n * w // k, n * (w + 1) // k))
 
 
 def _run_shared(n: int, minimum: int, run):
-    """``run()`` on the calling thread and, unless ``n`` is small, on every
-    pool worker too; the runs share out the work themselves."""
-    workers, k = _pool()
-    if n < minimum or workers is None:
-        run()
-        return
-    jobs = [workers.submit(run) for _ in range(1, k)]
-    run()
-    for job in jobs:
-        job.result()
+    """``run()`` on every thread ``_fan_out`` uses; the runs share out the work themselves."""
+    _fan_out(n, minimum, lambda w, k: run())
 
 
 def _like(a, shape):
