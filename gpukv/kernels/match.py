@@ -388,7 +388,7 @@ def build_lanes() -> SimpleNamespace:
     jit = device_jit("cpu")
     m = build_match("cpu")
     t = build_tree("cpu")
-    combine = t.keys.combine
+    combine, is_child = t.keys.combine, t.is_child
     block_hash, begin, finish = m.block_hash, m.begin, m.finish
     hints = build_prefetch("cpu")
     prefetch1, prefetch2 = hints.prefetch1, hints.prefetch2
@@ -503,30 +503,23 @@ def build_lanes() -> SimpleNamespace:
             return True  # block j is not in the tree
         j = st[g, LN_J]
         node = st[g, LN_NODE]
-        if S.blocks[r, BLK_KEY] == st[g, LN_KEY] and S.blocks[r, BLK_PARENT] == node and S.blocks[r, BLK_NUM_TOKENS] == T:
-            at = B.starts[i] + j * T
-            row = S.tokens[r]
-            q = B.toks[at:at + T]
-            diff = np.int32(0)
-            for k in range(T):  # slices indexed from 0: vectorized
-                diff |= row[k] ^ q[k]
-            if diff == 0:
-                count = st[g, LN_COUNT]
-                B.path[B.path_off[i] + count] = r
-                st[g, LN_COUNT] = count + 1
-                st[g, LN_NODE] = r
-                j += 1
-                st[g, LN_J] = j
-                if j >= st[g, LN_NFULL]:
-                    return True
-                key = st[g, LN_KEY1]  # asked for one round ago
-                st[g, LN_KEY] = key
-                r = S.buckets[key & (S.buckets.shape[0] - 1)]
-                st[g, LN_ROW] = r
-                if r != NULL:
-                    prefetch_row(S, r)
-                lane_key1(S, B, st, g, i, T)
-                return False
+        if is_child(S, r, node, st[g, LN_KEY], B.toks, B.starts[i] + j * T, T):
+            count = st[g, LN_COUNT]
+            B.path[B.path_off[i] + count] = r
+            st[g, LN_COUNT] = count + 1
+            st[g, LN_NODE] = r
+            j += 1
+            st[g, LN_J] = j
+            if j >= st[g, LN_NFULL]:
+                return True
+            key = st[g, LN_KEY1]  # asked for one round ago
+            st[g, LN_KEY] = key
+            r = S.buckets[key & (S.buckets.shape[0] - 1)]
+            st[g, LN_ROW] = r
+            if r != NULL:
+                prefetch_row(S, r)
+            lane_key1(S, B, st, g, i, T)
+            return False
         r = S.blocks[r, BLK_HASH_NEXT]  # another key (or block) in this bucket
         st[g, LN_ROW] = r
         if r != NULL:

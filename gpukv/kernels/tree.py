@@ -142,27 +142,34 @@ def _build_tree(target: str) -> SimpleNamespace:
 
     @jit
     def tokens_equal(S, r, toks, start, n):
-        # Branch-free: the compiler vectorizes this; an early exit would not pay
-        # for itself, since a hash hit almost always matches in full.
+        # Branch-free, over slices indexed from 0 (no wraparound check for
+        # negative indices): the compiler vectorizes this. An early exit would
+        # not pay for itself, since a hash hit almost always matches in full.
+        row = S.tokens[r]
+        q = toks[start:start + n]
         diff = np.int32(0)
         for i in range(n):
-            diff |= S.tokens[r, i] ^ toks[start + i]
+            diff |= row[i] ^ q[i]
         return diff == 0
 
     @jit
-    def find_child(S, parent, key, toks, start, n):
-        """The child of ``parent`` holding exactly ``toks[start:start+n]``, or NULL.
+    def is_child(S, r, parent, key, toks, start, n):
+        """Is row ``r`` (from ``key``'s bucket chain) the child of ``parent``
+        holding exactly ``toks[start:start+n]``? The 64-bit key only selects
+        candidates; parent, length and every token are compared too."""
+        return (
+            S.blocks[r, BLK_KEY] == key
+            and S.blocks[r, BLK_PARENT] == parent
+            and S.blocks[r, BLK_NUM_TOKENS] == n
+            and tokens_equal(S, r, toks, start, n)
+        )
 
-        The 64-bit key only selects candidates; parent, length and every
-        token are compared before a hit is accepted."""
+    @jit
+    def find_child(S, parent, key, toks, start, n):
+        """The child of ``parent`` holding exactly ``toks[start:start+n]``, or NULL."""
         r = S.buckets[bucket_of(S, key)]
         while r != NULL:
-            if (
-                S.blocks[r, BLK_KEY] == key
-                and S.blocks[r, BLK_PARENT] == parent
-                and S.blocks[r, BLK_NUM_TOKENS] == n
-                and tokens_equal(S, r, toks, start, n)
-            ):
+            if is_child(S, r, parent, key, toks, start, n):
                 return r
             r = S.blocks[r, BLK_HASH_NEXT]
         return NULL
@@ -876,6 +883,7 @@ def _build_tree(target: str) -> SimpleNamespace:
         find_child=find_child,
         find_root=find_root,
         tokens_equal=tokens_equal,
+        is_child=is_child,
         page_of=page_of,
         coverage=coverage,
         alloc_page=alloc_page,
