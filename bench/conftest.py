@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from gpukv.workload import find_mooncake_trace
+from gpukv.sim.workload import find_mooncake_trace
 
 from .matchbench import BATCHES, MatchWorkload, build_workload
 

@@ -4,7 +4,7 @@ every input shape, and the plain-Python hash-chain baseline built from the
 same requests.
 
     from bench.matchbench import build_workload   # with the repository root on sys.path
-    from gpukv.workload import find_mooncake_trace
+    from gpukv.sim.workload import find_mooncake_trace
     w = build_workload(find_mooncake_trace(), 4000, 1024)
 
 ``GPUKV_BENCH_BACKEND`` picks gpukv's backend (default ``cpu``; ``cuda`` on a
@@ -22,8 +22,8 @@ import numpy as np
 
 import gpukv
 from gpukv import introspect
-from gpukv.layout import BLK_FLAGS, FLAG_IN_USE, FLAG_ROOT
-from gpukv.workload import as_flat, load_mooncake_trace
+from gpukv.core.layout import BLK_FLAGS, FLAG_IN_USE, FLAG_ROOT
+from gpukv.sim.workload import as_flat, load_mooncake_trace
 
 T = 32  # tokens per block, for gpukv and the baseline alike
 BATCHES = (1, 64, 1024)

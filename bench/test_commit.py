@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv.workload import find_mooncake_trace, load_mooncake_trace
+from gpukv.sim.workload import find_mooncake_trace, load_mooncake_trace
 
 T = 32
 CHUNK = 512

@@ -32,7 +32,7 @@ import pytest
 
 import gpukv
 from gpukv import introspect
-from gpukv.workload import find_mooncake_trace, load_mooncake_trace
+from gpukv.sim.workload import find_mooncake_trace, load_mooncake_trace
 
 T = 32
 POOL = int(os.environ.get("GPUKV_BENCH_EVICT_POOL", "16384"))

@@ -25,7 +25,7 @@ import pytest
 
 import gpukv
 from gpukv import introspect
-from gpukv.workload import find_mooncake_trace, load_mooncake_trace
+from gpukv.sim.workload import find_mooncake_trace, load_mooncake_trace
 
 from .matchbench import BACKEND, HashChainIndex, T, finished_match
 

@@ -8,9 +8,9 @@ reusable (``KVCacheManager.match_batch``).
 """
 
 from .arena import TokenSequence
-from .backend import BackendError
+from .core.backend import BackendError
 from .cache import KVCache, KVCacheStatus, LogicError
-from .config import Attention, CacheConfig, ConfigError, Ssm, SwaScratchReuse
+from .core.config import Attention, CacheConfig, ConfigError, Ssm, SwaScratchReuse
 from .events import (
     KVCacheCreatedData,
     KVCacheEvent,
@@ -19,10 +19,10 @@ from .events import (
     KVCacheStoredData,
     KVCacheUpdatedData,
 )
-from .hashing import gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
+from .core.hashing import gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
 from .manager import KVCacheManager
 from .matching import BatchMatch
-from .scope import ReuseScope
+from .core.scope import ReuseScope
 from .tokens import TokenError
 from .tree import BlockRef
 

@@ -41,8 +41,8 @@ from .kernels.seq import (
     SeqTables,
     build_seq_kernel,
 )
-from .config import DEFAULT_PRIORITY, KIND_FULL, KIND_SWA, check_priority
-from .layout import (
+from .core.config import DEFAULT_PRIORITY, KIND_FULL, KIND_SWA, check_priority
+from .core.layout import (
     NULL,
     PAGE_COMMITTED,
     PAGE_HOLDERS,

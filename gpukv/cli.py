@@ -48,7 +48,7 @@ def cmd_info(args) -> int:
 
 def _requests(args):
     """Token arrays in arrival order, from the trace or the built-in workload."""
-    from .workload import expand_tokens, load_mooncake_trace, synthetic_conversations
+    from .sim.workload import expand_tokens, load_mooncake_trace, synthetic_conversations
 
     if args.trace:
         reqs = load_mooncake_trace(args.trace, limit=args.limit)
@@ -141,7 +141,7 @@ def cmd_match(args) -> int:
 def cmd_simulate(args) -> int:
     import json
 
-    from . import simulate as sim
+    from .sim import simulate as sim
 
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
@@ -261,8 +261,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed the usage and what is wrong
         return int(e.code or 0)
-    from .backend import BackendError
-    from .simulate import MissingDependency
+    from .core.backend import BackendError
+    from .sim.simulate import MissingDependency
 
     try:
         return COMMANDS[args.command](args)

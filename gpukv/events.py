@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .kernels.sha256 import int64x4_to_digest
-from .layout import (
+from .core.layout import (
     EV_CREATED,
     EV_PAGE_INFO,
     EV_REMOVED,

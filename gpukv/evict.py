@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernels.tree import NUM_LEVELS
-from .layout import (
+from .core.layout import (
     PAGE_COMMITTED,
     PAGE_HOLDERS,
     PAGE_LEVEL,

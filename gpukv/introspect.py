@@ -13,7 +13,7 @@ import numpy as np
 
 from .kernels.keys import sibling_hash_np
 from .kernels.sha256 import int64x4_to_digest
-from .layout import (
+from .core.layout import (
     BLK_DIGEST,
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
@@ -367,7 +367,7 @@ def event_manager_add_stored_block(mgr, block: BlockRef):
     commit of a new block would (``add_stored_block_event_from_block``): every
     life cycle whose page covers the whole block is announced. Nothing happens
     when events are off."""
-    from .layout import EV_STORED_BLOCK
+    from .core.layout import EV_STORED_BLOCK
 
     mgr._tree.announce(block, EV_STORED_BLOCK)
 
@@ -377,6 +377,6 @@ def event_manager_add_stored_life_cycle(mgr, block: BlockRef, life_cycle_id: int
     as a rebase would (``add_stored_life_cycle_event_from_block``): the life
     cycle is announced when its page covers the whole block; a block never
     announced takes the whole-block path instead."""
-    from .layout import EV_STORED_LIFE_CYCLE
+    from .core.layout import EV_STORED_LIFE_CYCLE
 
     mgr._tree.announce(block, EV_STORED_LIFE_CYCLE, life_cycle_id)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 from .arena import TokenArena, TokenSequence
-from .backend import get_backend, quiet_simulator
+from .core.backend import get_backend, quiet_simulator
 from .cache import KVCache, LogicError
-from .config import KIND_SWA, CacheConfig
+from .core.config import KIND_SWA, CacheConfig
 from .evict import Evictor
-from .layout import (
+from .core.layout import (
     CNT_DROPPED,
     CNT_EVICTED,
     CNT_MIGRATED,
@@ -24,7 +24,7 @@ from .layout import (
     COPY_SRC_LEVEL,
 )
 from .matching import BatchMatch, Matcher
-from .scope import as_scope
+from .core.scope import as_scope
 from .stats import ReuseStats
 from .tables import Tables
 from .tokens import token_array

@@ -24,8 +24,8 @@ from .kernels.match import (
     MatchBatch,
     build_match_kernels,
 )
-from .layout import CNT_DETACHES
-from .scope import ReuseScope, as_scope
+from .core.layout import CNT_DETACHES
+from .core.scope import ReuseScope, as_scope
 from .tables import Tables
 from .tokens import check_flat, flatten, token_error
 from .tree import BlockTree

@@ -22,12 +22,12 @@ from collections import namedtuple
 
 import numpy as np
 
-from .backend import Backend
-from .config import CacheConfig
+from .core.backend import Backend
+from .core.config import CacheConfig
 from .kernels.sha256 import SHA256_WORK_WORDS
 from .kernels.keys import sibling_hash_np
 from .kernels.tree import NUM_LEVELS
-from .layout import (
+from .core.layout import (
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,

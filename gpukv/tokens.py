@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .config import MAX_TOKEN_ID
+from .core.config import MAX_TOKEN_ID
 
 DIGEST_BYTES = 32
 

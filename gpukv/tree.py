@@ -28,7 +28,7 @@ from .kernels.tree import (
     OP_EVICT,
     build_tree_kernel,
 )
-from .layout import (
+from .core.layout import (
     BLK_DIGEST,
     BLK_SCOPE,
     BLK_FLAGS,
@@ -43,8 +43,8 @@ from .layout import (
     PAGE_STATE,
     PAGE_COMMITTED,
 )
-from .config import DEFAULT_PRIORITY, check_priority
-from .scope import ReuseScope, as_scope
+from .core.config import DEFAULT_PRIORITY, check_priority
+from .core.scope import ReuseScope, as_scope
 from .tables import Tables
 from .tokens import token_array
 

@@ -33,7 +33,7 @@ from itertools import chain
 import numpy as np
 
 from gpukv import introspect
-from gpukv.layout import FLAG_ATTACHED, FLAG_IN_USE, FLAG_ROOT
+from gpukv.core.layout import FLAG_ATTACHED, FLAG_IN_USE, FLAG_ROOT
 
 # ---------------------------------------------------------------------------
 # token values

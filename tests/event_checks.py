@@ -29,7 +29,7 @@ from gpukv.events import (
     UniqueToken,
     event_block_hash,
 )
-from gpukv.layout import FLAG_ATTACHED, FLAG_IN_USE, FLAG_ROOT, NULL
+from gpukv.core.layout import FLAG_ATTACHED, FLAG_IN_USE, FLAG_ROOT, NULL
 
 
 def check_event_consistency(events, announced: set | None = None) -> set:

@@ -16,7 +16,7 @@ import pytest
 
 import gpukv
 from gpukv import Attention, CacheConfig, ConfigError, ReuseScope, Ssm, TokenError, introspect
-from gpukv.layout import FLAG_ROOT, PAGE_FREE
+from gpukv.core.layout import FLAG_ROOT, PAGE_FREE
 from gpukv.tree import BlockRef
 
 try:  # works whether or not tests/ is a package

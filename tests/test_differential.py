@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import gpukv
 from gpukv import introspect
 from gpukv.kernels.sha256 import int64x4_to_digest
-from gpukv.layout import EV_REMOVED, EV_REMOVED_LIFE_CYCLE, FLAG_ATTACHED, FLAG_IN_USE, FLAG_ROOT
+from gpukv.core.layout import EV_REMOVED, EV_REMOVED_LIFE_CYCLE, FLAG_ATTACHED, FLAG_IN_USE, FLAG_ROOT
 from gpukv.tree import BlockRef
 
 import oracle as O

@@ -1,7 +1,7 @@
 """KV cache events (semantics.md §4; scenarios E1-E7 of §6.4).
 
 The event manager is driven here with change-log records written by ``Log``
-below, exactly as the tree kernel lays them out (``gpukv.layout.LOG``): a
+below, exactly as the tree kernel lays them out (``gpukv.core.layout.LOG``): a
 stored header followed by one page-info record per life cycle with a page,
 removals, updates. Blocks carry real SHA-256 chain keys, so hashes are the
 ones a real tree would report. Every test asserts the exact event sequence,
@@ -29,9 +29,9 @@ from gpukv.events import (
     KVCacheUpdatedData,
     UniqueToken,
 )
-from gpukv.hashing import block_key, root_key
+from gpukv.core.hashing import block_key, root_key
 from gpukv.kernels.sha256 import digest_to_int64x4
-from gpukv.layout import (
+from gpukv.core.layout import (
     EV_CREATED,
     EV_PAGE_INFO,
     EV_REMOVED,

@@ -36,7 +36,7 @@ import pytest
 
 import gpukv
 from gpukv import Attention, ReuseScope, introspect
-from gpukv.config import KIND_SSM
+from gpukv.core.config import KIND_SSM
 from gpukv.events import (
     Diff,
     KVCacheEvent,
@@ -46,7 +46,7 @@ from gpukv.events import (
     KVCacheUpdatedData,
     UniqueToken,
 )
-from gpukv.hashing import sequence_to_blockchain_keys
+from gpukv.core.hashing import sequence_to_blockchain_keys
 
 try:  # tests/ is on sys.path under pytest's default import mode
     import test_kvcache_differential as differential

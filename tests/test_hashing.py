@@ -12,8 +12,8 @@ import random
 import numpy as np
 import pytest
 
-from gpukv import backend
-from gpukv.hashing import (
+from gpukv.core import backend
+from gpukv.core.hashing import (
     Hasher,
     block_key,
     gen_multimodal_cache_key_tokens,
@@ -26,7 +26,7 @@ from gpukv.kernels.sha256 import (
     digest_to_int64x4,
     int64x4_to_digest,
 )
-from gpukv.scope import ReuseScope, as_scope
+from gpukv.core.scope import ReuseScope, as_scope
 
 
 def sha(data: bytes) -> bytes:
@@ -34,7 +34,7 @@ def sha(data: bytes) -> bytes:
 
 
 def enc(tokens) -> bytes:
-    """The reference encoding, written out independently of gpukv.hashing."""
+    """The reference encoding, written out independently of gpukv.core.hashing."""
     return b"".join(t if isinstance(t, bytes) else t.to_bytes(4, "little") for t in tokens)
 
 

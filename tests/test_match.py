@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpukv import Attention, ReuseScope, Ssm, introspect
-from gpukv.layout import FLAG_ROOT
+from gpukv.core.layout import FLAG_ROOT
 from gpukv.tree import BlockRef
 
 try:  # works whether or not tests/ is a package

@@ -19,7 +19,7 @@ import pytest
 
 import gpukv
 from gpukv import Attention, TokenSequence, introspect
-from gpukv.layout import CNT_DETACHES
+from gpukv.core.layout import CNT_DETACHES
 
 try:  # works whether or not tests/ is a package
     from tests.conftest import make_manager

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpukv import cli, introspect
-from gpukv.simulate import (
+from gpukv.sim.simulate import (
     SimOptions,
     Simulator,
     auto_pages,
@@ -22,7 +22,7 @@ from gpukv.simulate import (
     summarize,
     trace_workload,
 )
-from gpukv.workload import find_mooncake_trace
+from gpukv.sim.workload import find_mooncake_trace
 
 
 def run(workload, **options):

@@ -16,7 +16,7 @@ import pytest
 from gpukv import Attention, ReuseScope, Ssm, introspect
 from gpukv.kernels.sha256 import int64x4_to_digest
 from gpukv.kernels.tree import OP_INSERT
-from gpukv.layout import (
+from gpukv.core.layout import (
     EV_REMOVED,
     EV_REMOVED_LIFE_CYCLE,
     EV_ROOT_REMOVED,

@@ -1,4 +1,4 @@
-"""gpukv.workload: the Mooncake trace loader, hash-id expansion and the
+"""gpukv.sim.workload: the Mooncake trace loader, hash-id expansion and the
 synthetic conversation generator. Small and fast; no kernels."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpukv.workload import (
+from gpukv.sim.workload import (
     MOONCAKE_BLOCK,
     TraceError,
     TraceRequest,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ..config import KIND_SWA
+from ..core.config import KIND_SWA
 
 
 def build_lifecycle(jit) -> SimpleNamespace:

@@ -22,9 +22,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..backend import bind_globals, cpu_kernel, device_jit
-from ..config import KIND_SSM
-from ..layout import (
+from ..core.backend import bind_globals, cpu_kernel, device_jit
+from ..core.config import KIND_SSM
+from ..core.layout import (
     BLK_FIRST_NEXT, BLK_FLAGS, BLK_HASH_NEXT, BLK_KEY, BLK_NUM_TOKENS, BLK_PARENT, BLK_SERIAL, FLAG_ATTACHED, NULL,
 )
 from .lifecycle import build_lifecycle

@@ -19,9 +19,9 @@ import functools
 from collections import namedtuple
 
 
-from ..backend import bind_globals, cpu_kernel, device_jit
-from ..config import DEFAULT_PRIORITY, KIND_SSM, KIND_SWA
-from ..layout import (
+from ..core.backend import bind_globals, cpu_kernel, device_jit
+from ..core.config import DEFAULT_PRIORITY, KIND_SSM, KIND_SWA
+from ..core.layout import (
     CNT_ERROR,
     ERR_NO_PAGE,
     POLICY_COMMIT_MIN_SNAPSHOT,

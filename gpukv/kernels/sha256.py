@@ -29,7 +29,7 @@ import types
 
 import numpy as np
 
-from ..backend import bind_globals, device_jit
+from ..core.backend import bind_globals, device_jit
 
 __all__ = [
     "SHA256_WORK_WORDS",

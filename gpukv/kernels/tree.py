@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..backend import bind_globals, cpu_kernel, device_jit
-from ..config import DEFAULT_PRIORITY, KIND_FULL, KIND_SSM
-from ..layout import (
+from ..core.backend import bind_globals, cpu_kernel, device_jit
+from ..core.config import DEFAULT_PRIORITY, KIND_FULL, KIND_SSM
+from ..core.layout import (
     BLK_DIGEST,
     BLK_FIRST_CHILD,
     BLK_FLAGS,

@@ -2,7 +2,7 @@
 
 Every table is a 2-D integer array on the backend's device, one row per record
 and one column per field (CuPy has no structured dtypes). Kernels index columns
-with the constants generated here (``BLK_PARENT``, ``PAGE_COVERAGE``...); the
+with the constants declared here (``BLK_PARENT``, ``PAGE_COVERAGE``...); the
 host views the same memory as a NumPy structured array with named fields
 (``introspect.tables``). Outside this module no code uses bare column numbers.
 """
@@ -155,17 +155,69 @@ ERR_COPIES_FULL = 4
 ERR_NO_PAGE = 5  # an allocation the all-or-nothing check had promised found no page
 
 
-def _export(layout: Layout, prefix: str):
-    g = globals()
-    for field, width in layout.fields:
-        g[f"{prefix}_{field.upper()}"] = layout.columns[field]
+# Column constants, one per field: plain assignments so grep and IDEs find
+# them; _check_columns below fails at import if one is missing or wrong.
 
+BLK_KEY = 0
+BLK_PARENT = 1
+BLK_NUM_TOKENS = 2
+BLK_HASH_NEXT = 3
+BLK_FIRST_NEXT = 4
+BLK_SERIAL = 5
+BLK_FIRST_CHILD = 6
+BLK_LAST_CHILD = 7
+BLK_NEXT_SIBLING = 8
+BLK_PREV_SIBLING = 9
+BLK_NUM_CHILDREN = 10
+BLK_ORDINAL = 11
+BLK_SCOPE = 12
+BLK_FLAGS = 13
+BLK_REFS = 14
+BLK_DIGEST = 15
 
-_export(BLOCKS, "BLK")
-_export(SLOTS, "SLOT")
-_export(PAGES, "PAGE")
-_export(LOG, "LOG")
-_export(COUNTERS, "CNT")
+SLOT_PAGE = 0
+SLOT_COVERAGE = 1
+
+PAGE_BLOCK = 0
+PAGE_LIFE_CYCLE = 1
+PAGE_COVERAGE = 2
+PAGE_LEVEL = 3
+PAGE_PRIORITY = 4
+PAGE_HOLDERS = 5
+PAGE_LOCKS = 6
+PAGE_PLANNED_DROPS = 7
+PAGE_LRU_TICK = 8
+PAGE_STATE = 9
+PAGE_POOL_INDEX = 10
+PAGE_SERIAL = 11
+
+LOG_KIND = 0
+LOG_LIFE_CYCLE = 1
+LOG_BLOCK = 2
+LOG_DIGEST = 3
+LOG_PARENT_DIGEST = 7
+LOG_PARENT_IS_ROOT = 11
+LOG_NUM_TOKENS = 12
+LOG_TOKENS_AT = 13
+LOG_COVERS = 14
+LOG_LEVEL = 15
+LOG_OLD_LEVEL = 16
+LOG_PRIORITY = 17
+
+CNT_BLOCK_FREE_TOP = 0
+CNT_LOG_LEN = 1
+CNT_TICK = 2
+CNT_ERROR = 3
+CNT_LIVE_BLOCKS = 4
+CNT_SERIAL = 5
+CNT_DETACHES = 6
+CNT_LOG_TOKENS_LEN = 7
+CNT_NUM_COPIES = 8
+CNT_EVICTED = 9
+CNT_MIGRATED = 10
+CNT_DROPPED = 11
+CNT_LATE_LEN = 12
+CNT_EVICT_FIRST = 13
 
 BLK_WIDTH = BLOCKS.width
 PAGE_WIDTH = PAGES.width
@@ -184,3 +236,15 @@ COPY_SRC_INDEX = 2
 COPY_DST_LEVEL = 3
 COPY_DST_INDEX = 4
 COPY_WIDTH = 5
+
+
+def _check_columns(layout: Layout, prefix: str):
+    g = globals()
+    for field, _ in layout.fields:
+        name = f"{prefix}_{field.upper()}"
+        if g.get(name) != layout.columns[field]:
+            raise AssertionError(f"layout {layout.name}: {name} must be {layout.columns[field]}")
+
+
+for _layout, _prefix in ((BLOCKS, "BLK"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (LOG, "LOG"), (COUNTERS, "CNT")):
+    _check_columns(_layout, _prefix)

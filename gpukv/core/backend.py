@@ -31,14 +31,16 @@ if os.environ.get("GPUKV_BACKEND") == "cudasim":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 def _kernel_source_digest() -> str:
-    """A digest of every source file kernels are compiled from.
+    """A digest of every source file kernels are compiled from (core/ and kernels/).
 
     Numba invalidates a cached kernel only when the kernel's own file changes,
     not when an inlined helper or a layout constant from another module does.
     Keying the cache folder on all of them makes any such change recompile."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    core = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
-    for folder in (here, os.path.join(here, "kernels")):
+    # Kernels import only core/ and kernels/; the facade above them may change
+    # without invalidating compiled kernels.
+    for folder in (core, os.path.join(os.path.dirname(core), "kernels")):
         for name in sorted(os.listdir(folder)):
             if name.endswith(".py"):
                 with open(os.path.join(folder, name), "rb") as f:
