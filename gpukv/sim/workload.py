@@ -68,7 +68,7 @@ def find_mooncake_trace() -> Path | None:
     env = os.environ.get("GPUKV_TRACE")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]  # gpukv/sim/workload.py -> the checkout
     for d in (repo / "shared" / "data", repo.parent / "shared" / "data"):
         if (d / MOONCAKE_TRACE_NAME).is_file():
             return d / MOONCAKE_TRACE_NAME
