@@ -61,6 +61,7 @@ class Cluster:
                 self.follow_ups.setdefault(r.after, []).append(r)
         self.total = len(reqs)
         self.routed = [0] * workers  # requests per worker
+        self.worker_of: dict[int, int] = {}  # request id -> the worker it went to
         self.now = 0.0
         self.on_step = on_step
         self.progress = progress
@@ -124,6 +125,7 @@ class Cluster:
         todo = [r]
         while todo:
             x = todo.pop()
+            self.worker_of[x.rid] = i
             self.routed[i] += 1
             w.total += 1
             nxt = self.follow_ups.pop(x.rid, [])
