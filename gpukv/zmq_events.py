@@ -400,7 +400,8 @@ class ZmqEventPublisher:
 
     @property
     def subscriptions(self) -> int:
-        """Subscriptions the PUB socket has seen (routers listening now)."""
+        """Topics routers are subscribed to now (0 while nobody listens; the
+        socket reports a topic once, however many routers share it)."""
         self._drain_subscriptions()
         return self._subscriptions
 

@@ -33,6 +33,18 @@ def dynamo_missing_reason() -> str | None:
     return None
 
 
+def needs_dynamo():
+    """A mark for tests of the real router: skipped, with the reason, when it
+    cannot run here, unless ``GPUKV_REQUIRE_DYNAMO=1`` (CI sets it): then
+    they run and fail, so a broken install cannot pass as a skip."""
+    import pytest
+
+    reason = dynamo_missing_reason()
+    if reason is None or os.environ.get("GPUKV_REQUIRE_DYNAMO") == "1":
+        return pytest.mark.skipif(False, reason="")  # runs
+    return pytest.mark.skip(reason=reason)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,12 +17,11 @@ import time
 import numpy as np
 import pytest
 
-from tests.dynamo_indexer import DynamoIndexer, dynamo_missing_reason, free_port
+from tests.dynamo_indexer import DynamoIndexer, dynamo_missing_reason, free_port, needs_dynamo
 
-_missing = dynamo_missing_reason()
-pytestmark = pytest.mark.skipif(_missing is not None, reason=_missing or "")
+pytestmark = needs_dynamo()
 
-if _missing is None:
+if dynamo_missing_reason() is None:
     from gpukv import Attention, ReuseScope, Ssm
     from gpukv.core.hashing import sequence_to_blockchain_keys
     from gpukv.zmq_events import ZmqEventPublisher, router_lora_name

@@ -11,7 +11,7 @@ import pytest
 from gpukv import cli
 from gpukv.sim.cluster import Cluster, offset_endpoint, run_cluster
 from gpukv.sim.simulate import SimOptions, default_workload
-from tests.dynamo_indexer import DynamoIndexer, dynamo_missing_reason, free_port
+from tests.dynamo_indexer import DynamoIndexer, free_port, needs_dynamo
 
 T = 16
 SMALL = ["--conversations", "8", "--duration", "5", "--tokens-per-block", str(T), "--backend", "cpu",
@@ -128,7 +128,7 @@ def test_kv_events_reach_a_subscriber_on_every_worker(capsys):
             sub.close()
 
 
-@pytest.mark.skipif(dynamo_missing_reason() is not None, reason=dynamo_missing_reason() or "")
+@needs_dynamo()
 def test_a_simulated_cluster_feeds_the_real_router():
     """The main job's setup: a router subscribed to every worker, then the
     simulation. Afterwards the router's score of each worker for each
