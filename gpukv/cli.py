@@ -158,13 +158,21 @@ def cmd_simulate(args) -> int:
         raise ValueError("--compare runs both policies; leave out --policy / --no-partial-reuse")
     if args.plot:
         sim.require_matplotlib()
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.kv_events_replay and not args.kv_events:
+        raise ValueError("--kv-events-replay needs --kv-events")
+    if args.kv_events_wait < 0:
+        raise ValueError(f"--kv-events-wait must be >= 0, got {args.kv_events_wait}")
+    if args.kv_events and args.compare:
+        raise ValueError("--compare runs twice and would publish twice on the same endpoints; leave out one of them")
     runs = []
     for policy in policies:
         options = sim.SimOptions(
             policy=policy, model=args.model, tokens_per_block=args.tokens_per_block, window=args.window,
             pages=args.pages, host_pages=args.host_pages, max_batch_tokens=args.max_batch_tokens,
             prefill_chunk=args.prefill_chunk, decode_chunk=args.decode_chunk, max_running=args.max_running,
-            order=args.order, step_ms=args.step_ms, backend=args.backend,
+            order=args.order, step_ms=args.step_ms, backend=args.backend, kv_events=bool(args.kv_events),
         )
         options.validate()
         if args.trace:
@@ -175,7 +183,13 @@ def cmd_simulate(args) -> int:
             if args.limit is not None:
                 workload.requests = workload.requests[: args.limit]
         progress = sys.stderr.isatty() and not args.no_progress
-        runs.append(sim.run_simulation(workload, options, progress=progress))
+        if args.workers > 1 or args.kv_events:
+            from .sim.cluster import run_cluster
+
+            runs.append(run_cluster(workload, options, args.workers, args.kv_events, args.kv_events_replay,
+                                    args.kv_events_wait, progress=progress))
+        else:
+            runs.append(sim.run_simulation(workload, options, progress=progress))
     summaries = [s for _, s in runs]
     if args.plot:
         sim.plot([r for r, _ in runs], args.plot)
@@ -230,6 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--order", choices=["longest-prefix", "arrival"], default="longest-prefix",
                    help="admission order of the waiting queue (default longest-prefix)")
     g.add_argument("--step-ms", type=float, default=25.0, metavar="MS", help="simulated duration of a step (default 25 ms)")
+    k = s.add_argument_group("cluster and KV events")
+    k.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="N engines, each with its own cache; the simulator routes each conversation to the one "
+                        "that reuses most of it (default 1)")
+    k.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="publish each worker's KV cache events over ZMQ in vLLM's format, worker i on ENDPOINT's "
+                        "port + i (e.g. tcp://127.0.0.1:5557), for a KV router to subscribe to "
+                        "(needs pip install 'gpukv[events]')")
+    k.add_argument("--kv-events-replay", metavar="ENDPOINT",
+                   help="also serve replay requests, worker i on ENDPOINT's port + i")
+    k.add_argument("--kv-events-wait", type=float, default=0.0, metavar="S",
+                   help="before starting, wait up to S seconds for a router to subscribe to every worker (default 0)")
     o = s.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON")
     o.add_argument("--plot", metavar="FILE.png", help="save a figure: hit rate over time, match latency vs batch size "

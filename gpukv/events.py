@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .core.scope import ReuseScope
 from .kernels.sha256 import int64x4_to_digest
 from .core.layout import (
     EV_CREATED,
@@ -135,6 +136,9 @@ class KVCacheStoredBlockData:
 class KVCacheStoredData:
     parent_hash: EventHash | None  # None for a block directly under a scope root
     blocks: tuple[KVCacheStoredBlockData, ...]
+    # The reuse scope of the chain; None for the default scope. Not part of
+    # the reference's event: a publisher for routers needs it (LoRA name).
+    scope: ReuseScope | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,7 @@ class LoggedBlock:
     parent_key: bytes | None  # None when the parent is a scope root
     tokens: tuple  # ints, and 32-byte digests for multimodal tokens
     pages: dict  # life cycle -> PageInfo, for every slot that holds a page
+    scope: ReuseScope | None = None  # None for the default scope
 
 
 # ---------------------------------------------------------------------------
@@ -224,6 +229,8 @@ class KVCacheEventManager:
     ``window_sizes[g]`` is the window size reported for layer group ``g``
     (``NO_WINDOW`` beyond the list). ``digest_of_token(t)`` maps a negative
     token id of the log to its interned 32-byte multimodal digest.
+    ``scope_of_root(digest)`` names the scope of a root by its digest, so
+    stored events can carry their scope (``KVCacheStoredData.scope``).
     """
 
     def __init__(
@@ -232,6 +239,7 @@ class KVCacheEventManager:
         event_hash: str,
         window_sizes: Iterable[int],
         digest_of_token: Callable[[int], bytes],
+        scope_of_root: Callable[[bytes], ReuseScope | None] | None = None,
     ):
         if event_hash not in HASH_ALGOS:
             raise ValueError(f"event_hash must be one of {tuple(HASH_ALGOS)}, got {event_hash!r}")
@@ -241,6 +249,7 @@ class KVCacheEventManager:
         self.hash_algo = HASH_ALGOS[event_hash]
         self.window_sizes = [int(w) for w in window_sizes]
         self._digest_of_token = digest_of_token
+        self._scope_of_root = scope_of_root
 
         self._next_event_id = 0
         self._stored: dict[bytes, _Announced] = {}  # block key -> announcements
@@ -248,6 +257,11 @@ class KVCacheEventManager:
         self._pending: list[KVCacheEvent] = []  # this iteration's events
         self._latest_stored: dict[int, int] = {}  # layer group -> index in _pending
         self._queue: deque[KVCacheEvent] = deque(maxlen=max(self.max_entries, 1))
+        # Block key -> scope, for the blocks of non-default scopes in the tree
+        # (a child inherits its parent's; only a root-level block names its root).
+        self._scope_of: dict[bytes, ReuseScope] = {}
+        # The event id at which each tree clear began, oldest first (see mark_clear).
+        self._clear_marks: deque[int] = deque(maxlen=max(self.max_entries, 1))
 
     # -- the manager's entry points ---------------------------------------------
     def created(self, num_blocks_per_cache_level) -> None:
@@ -285,7 +299,9 @@ class KVCacheEventManager:
                 # One record per detached block. Removing a subtree key by key
                 # gives the events of one batched call: removals are buffered
                 # per group, in order, until something flushes them.
-                self.add_removed_event([_digest(r, LOG_DIGEST)])
+                key = _digest(r, LOG_DIGEST)
+                self._scope_of.pop(key, None)
+                self.add_removed_event([key])
             elif kind == EV_REMOVED_LIFE_CYCLE:
                 self.add_removed_life_cycle_event(_digest(r, LOG_DIGEST), int(r[LOG_LIFE_CYCLE]))
             elif kind == EV_UPDATED:
@@ -318,6 +334,21 @@ class KVCacheEventManager:
         self._queue.clear()
         return events
 
+    def mark_clear(self) -> None:
+        """The whole tree is about to be cleared: remember where in the event
+        stream. Every event with an id below the mark happened before the
+        clear; the clear's own removals come after it. The reference emits
+        only those removals; a router protocol with a clear event reads the
+        marks (``take_clear_marks``)."""
+        if self.enabled:
+            self._clear_marks.append(self._next_event_id)
+
+    def take_clear_marks(self) -> list[int]:
+        """Drain the clear marks, oldest first (the newest ``max_entries`` are kept)."""
+        marks = list(self._clear_marks)
+        self._clear_marks.clear()
+        return marks
+
     # -- §4 operations, as the reference names them -------------------------------
     def add_stored_block_event_from_block(self, block: LoggedBlock) -> None:
         """Announce every life cycle whose page covers the whole block (and no
@@ -330,7 +361,8 @@ class KVCacheEventManager:
         self._stored[block.key] = _Announced(block_hash, set(covering))
         parent_hash = self._parent_hash(block)
         for lc in covering:
-            self._add_stored_event(parent_hash, self._block_data(block, block_hash, block.pages[lc]), lc)
+            data = self._block_data(block, block_hash, block.pages[lc])
+            self._add_stored_event(parent_hash, data, lc, block.scope)
 
     def add_stored_life_cycle_event_from_block(self, block: LoggedBlock, life_cycle: int) -> None:
         """Announce one more life cycle of an announced block, when its page
@@ -345,7 +377,7 @@ class KVCacheEventManager:
             return
         state.life_cycles.add(life_cycle)
         data = self._block_data(block, state.block_hash, page)
-        self._add_stored_event(self._parent_hash(block), data, life_cycle)
+        self._add_stored_event(self._parent_hash(block), data, life_cycle, block.scope)
 
     def add_removed_event(self, keys: Iterable[bytes]) -> None:
         """Blocks left the tree: a removed entry per announced life cycle.
@@ -408,20 +440,21 @@ class KVCacheEventManager:
             self._latest_stored.pop(group, None)
         return len(self._pending) - 1
 
-    def _add_stored_event(self, parent_hash, block: KVCacheStoredBlockData, group: int) -> None:
+    def _add_stored_event(self, parent_hash, block: KVCacheStoredBlockData, group: int,
+                          scope: ReuseScope | None = None) -> None:
         # The group's own removals go first, ahead of the other groups' too: a
         # block removed and then stored again must not read as stored, removed.
         self._flush_removed(group)
         latest = self._latest_stored.get(group)
         if not self._removed and latest is not None:
             event = self._pending[latest]
-            if event.data.blocks[-1].block_hash == parent_hash:
-                data = KVCacheStoredData(event.data.parent_hash, event.data.blocks + (block,))
+            if event.data.blocks[-1].block_hash == parent_hash and event.data.scope == scope:
+                data = replace(event.data, blocks=event.data.blocks + (block,))
                 self._pending[latest] = replace(event, data=data)
                 return
         # Not a continuation: a new event (which flushes the other groups'
         # removals, ascending, before it).
-        self._latest_stored[group] = self._add_event(KVCacheStoredData(parent_hash, (block,)), group)
+        self._latest_stored[group] = self._add_event(KVCacheStoredData(parent_hash, (block,), scope), group)
 
     def _enqueue_removed(self, hashes: list, group: int) -> None:
         # The group's chain ends here too: the removed event these hashes are
@@ -470,8 +503,17 @@ class KVCacheEventManager:
             int(p[LOG_LIFE_CYCLE]): PageInfo(bool(p[LOG_COVERS]), int(p[LOG_LEVEL]), int(p[LOG_PRIORITY]))
             for p in page_infos
         }
-        parent = None if header[LOG_PARENT_IS_ROOT] else _digest(header, LOG_PARENT_DIGEST)
-        return LoggedBlock(_digest(header, LOG_DIGEST), parent, tuple(tokens), pages)
+        key = _digest(header, LOG_DIGEST)
+        if header[LOG_PARENT_IS_ROOT]:
+            parent = None
+            found = None if self._scope_of_root is None else self._scope_of_root(_digest(header, LOG_PARENT_DIGEST))
+            scope = None if found is None or found == ReuseScope() else found
+        else:
+            parent = _digest(header, LOG_PARENT_DIGEST)
+            scope = self._scope_of.get(parent)
+        if scope is not None:
+            self._scope_of[key] = scope
+        return LoggedBlock(key, parent, tuple(tokens), pages, scope)
 
 
 def _digest(record, col: int) -> bytes:

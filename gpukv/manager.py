@@ -64,7 +64,8 @@ class KVCacheManager:
 
             windows = [lc.window if lc.kind == KIND_SWA else 0 for lc in config.life_cycles]
             self._events = KVCacheEventManager(
-                config.max_kv_event_entries, config.event_hash, windows, self._tables.digest_of_token
+                config.max_kv_event_entries, config.event_hash, windows, self._tables.digest_of_token,
+                scope_of_root=self._tree.scope_of_root_digest,
             )
             self._tree.event_sink = self._events.on_records
             self._events.created([sum(config.pages_per_life_cycle_list()), sum(config.pages_per_life_cycle_list(host=True))])
@@ -216,8 +217,12 @@ class KVCacheManager:
     def clear_reusable_blocks(self):
         """Drop every block of the reuse tree; refused while caches are open."""
         self._refuse_while_open("clear_reusable_blocks()")
+        if self._events is not None:
+            self._events.mark_clear()
         self._tree.clear()
 
     def shutdown(self):
         self._refuse_while_open("shutdown()")
+        if self._events is not None:
+            self._events.mark_clear()
         self._tree.clear()

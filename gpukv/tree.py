@@ -73,6 +73,7 @@ class BlockTree:
         self._scopes: list[ReuseScope] = []  # by id
         self._scope_keys: list[int] = []
         self._scope_digests: list[np.ndarray] = []
+        self._scope_by_digest: dict[bytes, ReuseScope] = {}  # root digest -> scope
         self.log_sink: list | None = None  # tests collect the change log here
         self.event_sink = None  # on_records(records, tokens) of the event manager
         self.copy_sink = None  # carries out the page data copies of a launch
@@ -87,7 +88,9 @@ class BlockTree:
             sid = len(self._scope_keys)
             raw = scope.to_bytes()
             self._scope_keys.append(root_key64(raw))
-            self._scope_digests.append(digest_to_int64x4(hashlib.sha256(raw).digest()))
+            digest = hashlib.sha256(raw).digest()
+            self._scope_digests.append(digest_to_int64x4(digest))
+            self._scope_by_digest[digest] = scope
             self._scope_ids[scope] = sid
             self._scopes.append(scope)
         return -1 if sid is None else sid
@@ -97,6 +100,10 @@ class BlockTree:
 
     def scope_of(self, sid: int) -> ReuseScope:
         return self._scopes[sid]
+
+    def scope_of_root_digest(self, digest: bytes) -> ReuseScope | None:
+        """The scope whose root has this SHA-256 digest; None if no such root was made."""
+        return self._scope_by_digest.get(bytes(digest))
 
     def scope_digest(self, sid: int) -> bytes:
         return int64x4_to_digest(self._scope_digests[sid])

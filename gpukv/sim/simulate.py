@@ -67,6 +67,7 @@ from .workload import load_mooncake_trace, synthetic_conversations
 POLICIES = ("per-page", "full-blocks")
 ORDERS = ("longest-prefix", "arrival")
 MODELS = ("hybrid", "attention")
+KV_EVENT_QUEUE = 1 << 20  # the event queue cap of a simulated worker
 
 
 # -- options ---------------------------------------------------------------------------------
@@ -87,6 +88,7 @@ class SimOptions:
     order: str = "longest-prefix"
     step_ms: float = 25.0
     backend: str = "auto"
+    kv_events: bool = False  # record KV cache events (64-bit hashes), for a publisher to drain each step
 
     def validate(self):
         def at_least(name, lo):
@@ -123,6 +125,9 @@ class SimOptions:
             enable_partial_reuse=self.policy == "per-page",
             commit_min_snapshot=self.model == "hybrid",  # required with an SSM layer
             backend=self.backend,
+            # Drained every step: the cap only has to hold one step's events.
+            max_kv_event_entries=KV_EVENT_QUEUE if self.kv_events else 0,
+            event_hash="sha256_64" if self.kv_events else "sha256",
         )
 
 
@@ -305,28 +310,37 @@ class Simulator:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> Stats:
-        s = self.stats
         while self.stats.finished + self.stats.rejected < self.total:
-            if not self.running and not self.waiting and not self.swapped:
+            if self.idle:
                 nxt = self._next_arrival()
                 if nxt is None:
                     raise RuntimeError("simulation stalled with no pending arrival")  # a bug, not bad input
                 self.now = max(self.now, nxt)
-            self._arrive()
-            budget = self.options.max_batch_tokens
-            budget = self._run_running(budget)
-            admitted = self._admit(budget)
-            if not self.running and not admitted and (self.waiting or self.swapped):
-                self._unstick()
-            s.steps += 1
-            s.peak_running = max(s.peak_running, len(self.running))
-            s.timeline.append((self.now, s.admitted_input_tokens, s.reused_tokens))
-            self.now += self.options.step_ms
-            self._collect_manager_stats()
+            self.step()
             if self.progress is not None:
                 self.progress(self)
         self._collect_manager_stats()
-        return s
+        return self.stats
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, waiting or suspended: the clock may jump to the next arrival."""
+        return not self.running and not self.waiting and not self.swapped
+
+    def step(self):
+        """One scheduling step at ``self.now``; the clock then advances by a step."""
+        s = self.stats
+        self._arrive()
+        budget = self.options.max_batch_tokens
+        budget = self._run_running(budget)
+        admitted = self._admit(budget)
+        if not self.running and not admitted and (self.waiting or self.swapped):
+            self._unstick()
+        s.steps += 1
+        s.peak_running = max(s.peak_running, len(self.running))
+        s.timeline.append((self.now, s.admitted_input_tokens, s.reused_tokens))
+        self.now += self.options.step_ms
+        self._collect_manager_stats()
 
     def _next_arrival(self):
         times = [r.arrival_ms for r in self.released]
