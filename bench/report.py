@@ -238,15 +238,22 @@ def _step_value(stats: dict, stat: str, info: dict, unit: str) -> tuple:
     return tokens / stats[stat], tokens / stats["min"], tokens / stats["max"]
 
 
+def _us(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def _step_cell(v: tuple, unit: str) -> str:
+    """The statistic, then the range over the rounds (low to high)."""
     if unit == "us":
-        return f"{v[0]:,.3g} ({v[1]:,.3g}-{v[2]:,.3g})"
-    return f"{rate(v[0])}({rate(v[2]).strip()}-{rate(v[1]).strip()})"
+        return f"{_us(v[0])} ({_us(v[1])}-{_us(v[2])})"
+    return f"{v[0] / 1e6:.3g} M ({v[2] / 1e6:.3g}-{v[1] / 1e6:.3g})"
 
 
 def report_step(rows: list, out):
-    """test_step.py: the issue-style table per batch size, systems side by
-    side, gpukv's speedup over each peer (>1: gpukv faster), and the goals."""
+    """test_step.py: per batch size, the systems side by side, gpukv's
+    speedup over each peer (a peer's time over gpukv's for decode, gpukv's
+    tokens/s over the peer's for admission: above 1, gpukv is faster), the
+    reuse check and the goals."""
     got = {(info["system"], info["phase"], info["pool"], int(info["batch"])): (stats, stat, info)
            for stats, stat, info in rows}
     batches = sorted({k[3] for k in got})
@@ -255,7 +262,7 @@ def report_step(rows: list, out):
     print("\n## The serving step against vLLM and SGLang (test_step.py)\n", file=out)
     print(f"T = {first['tokens_per_block']}, {first['chunk']}-token prefill chunks, {first['decode_steps']} decode steps "
           f"a round; OMP_NUM_THREADS={first['OMP_NUM_THREADS']}, NUMBA_NUM_THREADS={first['NUMBA_NUM_THREADS']}; "
-          "median (min-max) over the rounds.\n", file=out)
+          "median (min-max) over the rounds; speedup above 1: gpukv is faster.\n", file=out)
     for b in batches:
         heads = []
         for s, label in present:
@@ -263,7 +270,7 @@ def report_step(rows: list, out):
             calls = f", {info['calls']} calls" if s == "gpukv" else ""
             heads.append(f"{label} {info['version']}{calls}")
         peers = [(s, label) for s, label in present if s != "gpukv"]
-        ratio_heads = [f"gpukv vs {label}" for _, label in peers] if any(s == "gpukv" for s, _ in present) else []
+        ratio_heads = [f"gpukv speedup vs {label}" for _, label in peers] if any(s == "gpukv" for s, _ in present) else []
         print(f"| B={b} | " + " | ".join(heads + ratio_heads) + " |", file=out)
         print("|---|" + "---:|" * (len(heads) + len(ratio_heads)), file=out)
         values = {}
