@@ -3,7 +3,9 @@
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python bench/profile_step.py [--batch 256] [--steps 16] [--pool both]
 
 The running batch and the pools are those of ``test_step.py``
-(``stepbench.start_running``). Three passes over ``--steps`` decode steps each:
+(``stepbench.start_running``). Passes of ``--steps`` decode steps each,
+``--repeats`` times alternating 1 and 2 (the least disturbed pass of each
+counts: a shared machine's load comes and goes), then 3:
 
 1. plain: the time per running sequence per step, nothing attached;
 2. timed: the same with a ``perf_counter`` pair around each part of the
@@ -13,9 +15,11 @@ The running batch and the pools are those of ``test_step.py``
    (``token_array``), the table capacity checks (``ensure_free_blocks``,
    ``ensure_log_tokens``), the work after each launch (``after_kernel``:
    draining page copies and the change log) and the host/device transfers
-   of the backend; the rest of the facade (argument and state checks,
-   small arrays, Python) is the remainder. The dispatch part of a launch is
-   estimated by calling a no-op Numba function with the same arguments;
+   of the backend, each part's own time (a timed call inside another is
+   taken out of the outer one); the rest of the facade (argument and state
+   checks, small arrays, Python) is the remainder. The dispatch part of a
+   launch is estimated by calling a no-op Numba function with the same
+   arguments;
 3. cProfile, for the functions with the most own time.
 
 Prints Markdown: the parts in µs per running sequence per step and as shares.
@@ -37,24 +41,51 @@ from bench import stepbench as sb  # noqa: E402
 
 
 class Timers:
+    """Exclusive time per name: a timed call inside another timed call is
+    taken out of the outer one's time, so the parts add up."""
+
     def __init__(self):
         self.total: dict = {}
         self.calls: dict = {}
+        self._inner = [0.0]  # time of timed calls inside the current one, per nesting level
+        self._attached = []
 
     def wrap(self, name: str, fn):
-        total, calls, clock = self.total, self.calls, time.perf_counter
+        total, calls, inner, clock = self.total, self.calls, self._inner, time.perf_counter
         total.setdefault(name, 0.0)
         calls.setdefault(name, 0)
 
         def timed(*args, **kwargs):
+            inner.append(0.0)
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                total[name] += clock() - t0
+                elapsed = clock() - t0
+                total[name] += elapsed - inner.pop()
+                inner[-1] += elapsed
                 calls[name] += 1
 
         return timed
+
+    def attach(self, obj, attr: str, name: str):
+        """Time ``obj.attr`` under ``name`` (also on frozen dataclasses: this is a measurement, from outside)."""
+        had = attr in getattr(obj, "__dict__", {})
+        self._attached.append((obj, attr, had, getattr(obj, attr)))
+        object.__setattr__(obj, attr, self.wrap(name, getattr(obj, attr)))
+
+    def detach(self):
+        for obj, attr, had, original in reversed(self._attached):
+            if had:
+                object.__setattr__(obj, attr, original)
+            else:
+                object.__delattr__(obj, attr)
+        self._attached.clear()
+
+
+def us(seconds: float) -> str:
+    v = seconds * 1e6
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
 def run_steps(d, batch, w, B, first_step, steps):
@@ -64,7 +95,18 @@ def run_steps(d, batch, w, B, first_step, steps):
     return time.perf_counter() - t0
 
 
-def dispatch_cost(mgr, kv, calls: int = 20000) -> float:
+def least_per_call(fn, calls: int = 5000, tries: int = 5) -> float:
+    """Seconds per call of ``fn()``, the least disturbed of ``tries`` loops."""
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def dispatch_cost(mgr, kv) -> float:
     """Seconds per call of a no-op Numba function taking the sequence kernel's arguments."""
     import numba
 
@@ -74,77 +116,92 @@ def dispatch_cost(mgr, kv, calls: int = 20000) -> float:
 
     S, Q = mgr._tables.device, kv._q
     noop(S, Q, 0)  # compile
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        noop(S, Q, 0)
-    return (time.perf_counter() - t0) / calls
+    return least_per_call(lambda: noop(S, Q, 0))
 
 
-def profile(pool: str, B: int, steps: int, top: int, out=sys.stdout):
+def wrapper_cost() -> float:
+    """Seconds a timer adds to a call (a timed no-op minus a bare one)."""
+    def nothing():
+        return None
+
+    timed = Timers().wrap("probe", nothing)
+    return max(0.0, least_per_call(timed) - least_per_call(nothing))
+
+
+LAUNCH = "kernel launch (dispatch + kernel)"
+
+
+def attach_timers(mgr, kvs) -> Timers:
+    """Timers on each part of the per-cache call path (see the module docstring)."""
     import gpukv.cache
 
-    w = sb.load_workload(max(B, 256) + 700, steps, 3)
+    timers = Timers()
+    for kv in kvs:
+        timers.attach(kv, "_run", LAUNCH)
+    timers.attach(mgr._evictor, "prepare", "evictor victim pass")
+    timers.attach(mgr._tree, "after_kernel", "after each launch (page copies, change log)")
+    timers.attach(mgr._tables, "ensure_free_blocks", "table capacity checks")
+    timers.attach(mgr._tables, "ensure_log_tokens", "table capacity checks")
+    timers.attach(mgr._backend, "to_host", "host/device transfers")
+    timers.attach(mgr._backend, "to_device", "host/device transfers")
+    timers.attach(gpukv.cache, "token_array", "token conversion (token_array)")
+    return timers
+
+
+def profile(pool: str, B: int, steps: int, repeats: int, top: int, out=sys.stdout):
+    w = sb.load_workload(max(B, 256) + 700, steps, 2 * repeats + 1)
     w.prepare(range(B))
     order = list(range(B))
-    d, handles, _, facts = sb.start_running("gpukv", w, order, pool, 3 * steps + 1, max(B, 256))
+    d, handles, _, facts = sb.start_running("gpukv", w, order, pool, (2 * repeats + 1) * steps + 1, max(B, 256))
     if not isinstance(d, sb.GpukvPerCache) or d.calls != "per-cache":
         raise SystemExit("profile_step.py profiles the per-cache calls: run with GPUKV_BENCH_STEP_CALLS=per-cache")
     batch = d.running(handles)
     mgr = d.mgr
     seq_steps = B * steps
     run_steps(d, batch, w, B, 0, 1)  # touch every path once
-    plain = run_steps(d, batch, w, B, 1, steps) / seq_steps
+    plain = float("inf")
 
-    timers = Timers()
-    kvs = list(batch)
-    launches = "kernel launch (dispatch + kernel)"
-    for kv in kvs:
-        kv._run = timers.wrap(launches, kv._run)
-    mgr._evictor.prepare = timers.wrap("evictor victim pass", mgr._evictor.prepare)
-    mgr._tree.after_kernel = timers.wrap("after each launch (page copies, change log)", mgr._tree.after_kernel)
-    mgr._tables.ensure_free_blocks = timers.wrap("table capacity checks", mgr._tables.ensure_free_blocks)
-    mgr._tables.ensure_log_tokens = timers.wrap("table capacity checks", mgr._tables.ensure_log_tokens)
-    backend = mgr._backend
-    backend.to_host = timers.wrap("host/device transfers", backend.to_host)
-    backend.to_device = timers.wrap("host/device transfers", backend.to_device)
-    original_token_array = gpukv.cache.token_array
-    gpukv.cache.token_array = timers.wrap("token conversion (token_array)", original_token_array)
-    overhead = Timers()
-    probe = overhead.wrap("probe", lambda: None)
-    for _ in range(20000):
-        probe()
-    per_wrap = overhead.total["probe"] / 20000
-    try:
-        timed = run_steps(d, batch, w, B, 1 + steps, steps) / seq_steps
-    finally:
-        gpukv.cache.token_array = original_token_array
-    per_launch_dispatch = dispatch_cost(mgr, kvs[0])
+    per_wrap = wrapper_cost()
+    per_launch_dispatch = dispatch_cost(mgr, batch[0])
+    best = None
+    for r in range(repeats):  # plain and timed passes alternate; the least disturbed of each counts
+        first = 1 + 2 * r * steps
+        plain = min(plain, run_steps(d, batch, w, B, first, steps) / seq_steps)
+        timers = attach_timers(mgr, batch)
+        try:
+            timed = run_steps(d, batch, w, B, first + steps, steps) / seq_steps
+        finally:
+            timers.detach()
+        if best is None or timed < best[0]:
+            best = (timed, timers)
+    timed, timers = best
+    launches = LAUNCH
     n_launch = timers.calls[launches]
     parts = {k: v / seq_steps for k, v in timers.total.items()}
     dispatch = per_launch_dispatch * n_launch / seq_steps
     parts["Numba dispatch (estimated)"] = dispatch
     parts["kernel (launch minus dispatch)"] = parts.pop(launches) - dispatch
-    wrapped_calls = sum(timers.calls.values())
-    instrumentation = per_wrap * wrapped_calls / seq_steps
+    instrumentation = per_wrap * sum(timers.calls.values()) / seq_steps
     parts["facade: checks, small arrays, Python (the rest)"] = timed - sum(parts.values()) - instrumentation
-    parts["timing wrappers themselves"] = instrumentation
+    parts["the timers themselves (estimated)"] = instrumentation
 
     prof = cProfile.Profile()
     prof.enable()
-    run_steps(d, batch, w, B, 1 + 2 * steps, steps)
+    run_steps(d, batch, w, B, 1 + 2 * repeats * steps, steps)
     prof.disable()
+    free_after = d.free_pages()
     d.finish(batch)
 
     print(f"\n### gpukv decode, B={B}, {pool} pool ({facts['pages']:,} pages), {steps} steps\n", file=out)
-    print(f"plain: {plain * 1e6:.3g} µs per running sequence per step; with the timers: {timed * 1e6:.3g} µs; "
+    print(f"plain: {us(plain)} µs per running sequence per step; with the timers: {us(timed)} µs; "
           f"{n_launch / seq_steps:.3g} kernel launches and {timers.calls['evictor victim pass'] / seq_steps:.3g} "
-          f"evictor passes per sequence step; a launch's dispatch alone {per_launch_dispatch * 1e6:.3g} µs.\n", file=out)
+          f"evictor passes per sequence step; a launch's dispatch alone {us(per_launch_dispatch)} µs.\n", file=out)
     if pool == "evicting":
-        print(f"free pages after the fill: {facts['free_pages_after_fill']}, after the steps: {d.free_pages()}\n",
+        print(f"free pages after the fill: {facts['free_pages_after_fill']}, after the steps: {free_after}\n",
               file=out)
     print("| part | µs per running sequence per step | share |\n|---|---:|---:|", file=out)
     for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
-        print(f"| {k} | {v * 1e6:.3g} | {v / timed:.1%} |", file=out)
+        print(f"| {k} | {us(v)} | {v / timed:.1%} |", file=out)
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
     lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
@@ -159,10 +216,11 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--pool", choices=("roomy", "evicting", "both"), default="both")
-    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3, help="plain and timed passes, alternated")
+    p.add_argument("--top", type=int, default=15)
     a = p.parse_args(argv)
     for pool in ("roomy", "evicting") if a.pool == "both" else (a.pool,):
-        profile(pool, a.batch, a.steps, a.top)
+        profile(pool, a.batch, a.steps, a.repeats, a.top)
 
 
 if __name__ == "__main__":
