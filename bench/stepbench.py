@@ -42,18 +42,10 @@ SYSTEMS = ("vllm", "sglang", "gpukv")
 
 # -- the workload ---------------------------------------------------------------------------------------
 def trace_path() -> Path | None:
-    """The Mooncake trace: ``gpukv.sim.workload.find_mooncake_trace()``, else
-    ``shared/data/`` in or next to this checkout."""
-    from gpukv.sim.workload import MOONCAKE_TRACE_NAME, find_mooncake_trace
+    """The Mooncake trace (``$GPUKV_TRACE``, or where ``find_mooncake_trace`` looks); None when absent."""
+    from gpukv.sim.workload import find_mooncake_trace
 
-    path = find_mooncake_trace()
-    if path is not None:
-        return path
-    repo = Path(__file__).resolve().parent.parent
-    for d in (repo / "shared" / "data", repo.parent / "shared" / "data"):
-        if (d / MOONCAKE_TRACE_NAME).is_file():
-            return d / MOONCAKE_TRACE_NAME
-    return None
+    return find_mooncake_trace()
 
 
 @dataclass
