@@ -16,7 +16,7 @@ Every system gets the same number of pages of ``T`` tokens, full attention,
 and reuses whole blocks of ``prompt[:-1]`` (the last prompt token is always
 recomputed for the first output's logits), so all three reuse exactly the
 same tokens when nothing is evicted: ``reference_reuse`` computes that
-number per request with a Python dict of block chains.
+number per request with a Python set of block chains.
 
 vLLM and SGLang are imported only when their driver is built;
 ``peer_unavailable(name)`` says why one cannot be (None when it can).
