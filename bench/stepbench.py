@@ -228,10 +228,12 @@ class GpukvBatched(GpukvPerCache):
     REQUIRED = ("create_kv_caches", "resize_batch", "commit_batch", "close_batch")
 
     def admit(self, i: int):
+        import gpukv
+
         p = self.w.prompts[i]
         (kv,) = self.mgr.create_kv_caches([p[:-1]])
         reused = kv.num_committed_tokens
-        if not kv.resume():
+        if kv.status is gpukv.KVCacheStatus.SUSPENDED and not kv.resume():  # in case creation does not resume
             self.mgr.close_batch([kv])
             raise OutOfPages(f"gpukv: resume of request {i}")
         for n0, n1 in chunks(reused, p.size):
