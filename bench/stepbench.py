@@ -142,15 +142,20 @@ def distinct_blocks(w: StepWorkload, order: list, extra_tokens: int = 0) -> int:
 def filler_plan(w: StepWorkload, running: list, first: int, pages: int, margin: int) -> list:
     """Requests ``first, first + 1, ...`` that, admitted and finished after
     ``running``, bring at least ``pages - (pages running holds) + margin`` new
-    pages into the pool: afterwards the pool is full and every allocation evicts."""
+    pages into the pool: afterwards the pool is full and every allocation evicts.
+    Requests too long for the room the running batch leaves are passed over."""
     held: set = set()
     for i in running:
         held.update(block_chain(w.tokens_list(i)))
-    need = pages - distinct_blocks(w, running) + margin
+    room = pages - distinct_blocks(w, running)  # what the fillers can ever have, evicting each other
+    need = room + margin
     plan, brought, i = [], 0, first
     while brought < need:
         if i >= len(w.prompts):
             raise ValueError(f"{len(w.prompts)} trace requests cannot fill {pages} pages; load more")
+        if w.pages(i) > room - margin:  # could not be admitted even with every other filler evicted
+            i += 1
+            continue
         chain = block_chain(w.tokens_list(i))
         brought += sum(k not in held for k in chain) + (w.pages(i) - len(chain))
         held.update(chain)
