@@ -16,7 +16,12 @@ Prints (as Markdown), for whichever suites the run contains:
 * ``test_match_sweep.py``: query tokens/s of gpukv (registered sequences) and
   of the baseline per batch size and per tree size, with the speedup;
 * ``test_commit.py``: committed tokens/s for prefill chunks and decode steps,
-  gpukv per model and the Python baseline.
+  gpukv per model and the Python baseline;
+* ``test_step.py``: the serving step side by side with vLLM and SGLang, per
+  batch size: µs per running sequence per decode step (roomy and evicting
+  pools) and admission prompt tokens/s per system, as median (min-max) over
+  the rounds, with gpukv's speedup over each peer and the goals, all from
+  the same run.
 
 Only the standard library is needed.
 """
@@ -49,12 +54,14 @@ def load(path: str, stat: str) -> dict:
     ``commit``: the other suites' (time, extra_info) pairs."""
     with open(path) as f:
         data = json.load(f)
-    out, sweep, commit, evict = {}, [], [], []
+    out, sweep, commit, evict, step = {}, [], [], [], []
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
         t = float(b["stats"][stat])
         suite = info.get("suite", "match")
-        if suite == "match-sweep":
+        if suite == "step":
+            step.append(({k: float(b["stats"][k]) for k in ("min", "max", stat)}, stat, info))
+        elif suite == "match-sweep":
             sweep.append((t, info))
         elif suite == "commit":
             commit.append((t, info))
@@ -62,7 +69,8 @@ def load(path: str, stat: str) -> dict:
             evict.append((t, info))
         elif "case" in info:
             out[(info["case"], int(info["batch"]))] = (t, info)
-    return {"results": out, "sweep": sweep, "commit": commit, "evict": evict, "machine": data.get("machine_info", {}),
+    return {"results": out, "sweep": sweep, "commit": commit, "evict": evict, "step": step,
+            "machine": data.get("machine_info", {}),
             "when": data.get("datetime", "")}
 
 
@@ -79,7 +87,7 @@ def dur(t: float) -> str:
 
 def report(path: str, stat: str = "median", out=sys.stdout):
     d = load(path, stat)
-    if not (d["results"] or d["sweep"] or d["commit"] or d["evict"]):
+    if not (d["results"] or d["sweep"] or d["commit"] or d["evict"] or d["step"]):
         raise SystemExit(f"{path}: no benchmarks of bench/ (extra_info without 'case' or 'suite')")
     m = d["machine"]
     infos = [i for _, i in d["results"].values()] + [i for _, i in d["sweep"]]
@@ -95,6 +103,8 @@ def report(path: str, stat: str = "median", out=sys.stdout):
         report_commit(d["commit"], out)
     if d["evict"]:
         report_evict(d["evict"], out)
+    if d["step"]:
+        report_step(d["step"], out)
 
 
 def report_match(d: dict, out):
@@ -208,6 +218,106 @@ def report_commit(rows: list, out):
         cells = [_cell(got[c][0], got[c][1]["tokens"]) if c in got else "-" for c in cols]
         print(f"| {what} ({first['requests']} requests) | " + " | ".join(cells) + " |", file=out)
     print(file=out)
+
+
+STEP_SYSTEMS = (("vllm", "vLLM"), ("sglang", "SGLang"), ("gpukv", "gpukv"))
+STEP_ROWS = (
+    # (label, phase, pool, unit)
+    ("decode, µs per running sequence per step, roomy pool", "decode", "roomy", "us"),
+    ("decode, µs per running sequence per step, pool 1.5x the batch (evicting)", "decode", "evicting", "us"),
+    ("admission (match + allocate + chunked prefill), prompt tokens/s", "admission", "roomy", "tok/s"),
+)
+
+
+def _step_value(stats: dict, stat: str, info: dict, unit: str) -> tuple:
+    """(the statistic, the best, the worst) in the row's unit."""
+    if unit == "us":
+        per = 1e6 / info["seq_steps"]
+        return stats[stat] * per, stats["min"] * per, stats["max"] * per
+    tokens = info["prompt_tokens"]
+    return tokens / stats[stat], tokens / stats["min"], tokens / stats["max"]
+
+
+def _us(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _step_cell(v: tuple, unit: str) -> str:
+    """The statistic, then the range over the rounds (low to high)."""
+    if unit == "us":
+        return f"{_us(v[0])} ({_us(v[1])}-{_us(v[2])})"
+    return f"{v[0] / 1e6:.3g} M ({v[2] / 1e6:.3g}-{v[1] / 1e6:.3g})"
+
+
+def report_step(rows: list, out):
+    """test_step.py: per batch size, the systems side by side, gpukv's
+    speedup over each peer (a peer's time over gpukv's for decode, gpukv's
+    tokens/s over the peer's for admission: above 1, gpukv is faster), the
+    reuse check and the goals."""
+    got = {(info["system"], info["phase"], info["pool"], int(info["batch"])): (stats, stat, info)
+           for stats, stat, info in rows}
+    batches = sorted({k[3] for k in got})
+    present = [(s, label) for s, label in STEP_SYSTEMS if any(k[0] == s for k in got)]
+    first = next(iter(got.values()))[2]
+    print("\n## The serving step against vLLM and SGLang (test_step.py)\n", file=out)
+    print(f"T = {first['tokens_per_block']}, {first['chunk']}-token prefill chunks, {first['decode_steps']} decode steps "
+          f"a round; OMP_NUM_THREADS={first['OMP_NUM_THREADS']}, NUMBA_NUM_THREADS={first['NUMBA_NUM_THREADS']}; "
+          "median (min-max) over the rounds; speedup above 1: gpukv is faster.\n", file=out)
+    for b in batches:
+        heads = []
+        for s, label in present:
+            info = next(i for (sy, _, _, bb), (_, _, i) in got.items() if sy == s and bb == b)
+            calls = f", {info['calls']} calls" if s == "gpukv" else ""
+            heads.append(f"{label} {info['version']}{calls}")
+        peers = [(s, label) for s, label in present if s != "gpukv"]
+        ratio_heads = [f"gpukv speedup vs {label}" for _, label in peers] if any(s == "gpukv" for s, _ in present) else []
+        print(f"| B={b} | " + " | ".join(heads + ratio_heads) + " |", file=out)
+        print("|---|" + "---:|" * (len(heads) + len(ratio_heads)), file=out)
+        values = {}
+        for label, phase, pool, unit in STEP_ROWS:
+            cells = []
+            for s, _ in present:
+                key = (s, phase, pool, b)
+                if key in got:
+                    stats, stat, info = got[key]
+                    values[(s, phase, pool)] = _step_value(stats, stat, info, unit)[0]
+                    cells.append(_step_cell(_step_value(stats, stat, info, unit), unit))
+                else:
+                    cells.append("-")
+            for s, _ in peers if ratio_heads else ():
+                g, p = values.get(("gpukv", phase, pool)), values.get((s, phase, pool))
+                if g is None or p is None:
+                    cells.append("-")
+                else:
+                    cells.append(f"{(p / g if unit == 'us' else g / p):.3g}x")
+            print(f"| {label} | " + " | ".join(cells) + " |", file=out)
+        reuse = {got[k][2]["reused_tokens"] for k in got if k[1] == "admission" and k[3] == b}
+        if reuse:
+            tokens = next(got[k][2]["prompt_tokens"] for k in got if k[1] == "admission" and k[3] == b)
+            agree = "every system the same, request by request" if len(reuse) == 1 else f"DIFFERENT totals {sorted(reuse)}"
+            print(f"\nB={b}: {tokens:,} prompt tokens, {min(reuse):,} reused ({agree}).", file=out)
+        evict = [got[k][2] for k in got if k[1] == "decode" and k[2] == "evicting" and k[3] == b]
+        if evict:
+            print(f"Evicting pool: {evict[0]['pages']:,} pages for a running batch needing {evict[0]['running_need_pages']:,}; "
+                  f"{evict[0]['fillers']} more requests admitted and finished to fill it; free pages after the fill: "
+                  + ", ".join(f"{i['system']} {i['free_pages_after_fill']}" for i in evict) + ".", file=out)
+        goals = []
+        if ("gpukv", "decode", "roomy") in values:
+            r = values[("gpukv", "decode", "roomy")]
+            goals.append(f"decode under 1 µs per running sequence per step: {r:.3g} µs "
+                         + ("(met)" if r < 1 else f"(MISSED, {r:.3g}x over)"))
+            if ("gpukv", "decode", "evicting") in values:
+                e = values[("gpukv", "decode", "evicting")] / r
+                goals.append(f"evicting within 1.5x of roomy: {e:.3g}x " + ("(met)" if e <= 1.5 else "(MISSED)"))
+        if ("gpukv", "admission", "roomy") in values and ("vllm", "admission", "roomy") in values:
+            a = values[("gpukv", "admission", "roomy")] / values[("vllm", "admission", "roomy")]
+            goals.append(f"admission at least 2x vLLM's tokens/s: {a:.3g}x " + ("(met)" if a >= 2 else "(MISSED)"))
+        if goals:
+            print(f"Goals at B={b}: " + "; ".join(goals) + ".", file=out)
+        print(file=out)
+    notes = {i.get("note") for _, _, i in rows if i.get("note")}
+    for n in sorted(notes):
+        print(f"Note: {n}.", file=out)
 
 
 def main(argv=None):
