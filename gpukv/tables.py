@@ -347,17 +347,17 @@ class Tables:
         ``blocks`` blocks (those it may create, and per life cycle the pages
         it may allocate, release or move, with their eviction victims).
 
-        What one launch logs: at most one removal per block that lives during
-        it (those alive before, which a page death can take with its subtree,
-        and those it creates), a root removal per root, a creation per new
-        block; per page it touches a death, or up to two migrations (an
-        allocation evicts a victim, and moving it to the host tier may drop a
-        host page); and an announcement with one page info per life cycle for
-        every row of ``log_tokens``. The log is drained after every launch,
-        so a larger one simply replaces it."""
+        What one launch logs: one removal per row in use before it (a page
+        death can take a whole subtree, a clear takes everything; a root's
+        removal is its own row's record), and per block it creates a creation
+        and a removal (its root's too); per page it touches a death, or up to
+        two migrations (an allocation evicts a victim, and moving it to the
+        host tier may drop a host page); and an announcement with one page
+        info per life cycle for every row of ``log_tokens``. The log is
+        drained after every launch, so a larger one simply replaces it."""
         live = self.num_rows - int(self.counters_host()[CNT_BLOCK_FREE_TOP])
         L = self.num_life_cycles
-        rows = 2 * live + 3 * (blocks + 2) + 4 * L * (blocks + 2) + (L + 1) * self.log_tokens.shape[0] + LOG_MIN_ROWS
+        rows = live + 3 * (blocks + 2) + 4 * L * (blocks + 2) + (L + 1) * self.log_tokens.shape[0] + LOG_MIN_ROWS
         if self.log.shape[0] < rows:
             self.log = self.xp.empty((rows + rows // 4, LOG.width), dtype=np.int64)
 
