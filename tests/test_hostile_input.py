@@ -251,6 +251,31 @@ def test_the_change_log_is_sized_for_a_launch_not_for_the_pool():
     introspect.check_sanity(mgr)
 
 
+def test_one_eviction_that_takes_a_whole_subtree_fits_the_log(backend):
+    """Many small requests share a first block that is the first victim
+    (priority 0): its death removes every request's blocks in the launch of
+    the one resize that evicted it, far more than that launch touches."""
+    n = 1000 if backend == "cpu" else 30
+    mgr = make_manager(backend, tokens_per_block=T, layers=[Attention()], pages_per_life_cycle=n + 16,
+                       max_kv_event_entries=10 * n)
+    shared = [1, 2, 3, 4]
+    for i in range(n):
+        tokens = shared + [10 + i, 5, 6, 7]
+        kv = mgr.create_kv_cache(input_tokens=tokens, priority_callback=lambda o, lc: 0 if o == 0 else 100)
+        assert kv.resume() and kv.resize(len(tokens), kv.num_committed_tokens)
+        kv.commit(tokens[kv.num_committed_tokens:])
+        kv.close()
+    mgr.get_latest_events()
+    other = mgr.create_kv_cache()
+    assert other.resume() and other.resize(16 * T)  # 15 free pages: one eviction
+    assert mgr.probe_reuse(shared + [10, 5, 6, 7]) == 0
+    removed = [h for e in mgr.get_latest_events() if isinstance(e.data, gpukv.KVCacheRemovedData)
+               for h in e.data.block_hashes]
+    assert len(removed) == n + 1
+    other.close()
+    introspect.check_sanity(mgr)
+
+
 # ---------------------------------------------------------------------------
 # resize to an absurd capacity
 # ---------------------------------------------------------------------------
