@@ -102,7 +102,8 @@ def load_mooncake_trace(path: str | PathLike, limit: int | None = None,
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise TraceError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+                where = f"byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+                raise TraceError(f"{path}:{lineno}: not valid UTF-8 ({where})") from None
             if not text.strip():
                 continue
             out.append(_parse_line(text, path, lineno, hash_block))
