@@ -178,9 +178,17 @@ class TokenSequence:
 
     @property
     def tokens(self):
-        """A view of the tokens (valid until the next ``extend``)."""
+        """The tokens, read only (valid until the next ``extend``): a NumPy view
+        that refuses writes, or a CuPy copy (CuPy has no read-only arrays).
+        Writing through a view would change what matching sees behind the
+        hashes the arena keeps."""
         self._check()
-        return self._arena.view(self._slot)
+        view = self._arena.view(self._slot)
+        if isinstance(view, np.ndarray):
+            view = view.view()
+            view.flags.writeable = False
+            return view
+        return view.copy()
 
     def release(self):
         """Give the arena space back (also done on garbage collection)."""

@@ -52,7 +52,7 @@ from .core.layout import (
     PAGE_SERIAL,
     PAGE_STATE,
 )
-from .tokens import token_array
+from .tokens import ValidTokens, token_array
 
 
 class LogicError(RuntimeError):
@@ -80,6 +80,7 @@ class KVCache:
         self._backend = mgr._backend
         tree = mgr._tree
         sid = tree.scope_id(scope, create=True)
+        self._scope = tree.scope_of(sid)  # kept: a closed cache's scope id may be reclaimed
         self._T = mgr.config.tokens_per_block
         L = len(mgr.config.life_cycles)
         self._num_life_cycles = L
@@ -122,12 +123,27 @@ class KVCache:
         return int(self._scalars[Q_CAPACITY])
 
     @property
+    def scope_id(self) -> int:
+        return int(self._scalars[Q_SCOPE_ID])
+
+    @property
     def status(self) -> KVCacheStatus:
         return KVCacheStatus(int(self._scalars[Q_STATUS]))
 
     @property
-    def committed_tokens(self) -> np.ndarray:
-        return self._backend.to_host(self._q.tokens[: self.num_committed_tokens]).copy()
+    def committed_tokens(self):
+        """The committed tokens as committed: an int32 array, or a list of ints
+        and 32-byte digests when a multimodal digest is among them (a slice of
+        either can be fed back to ``create_kv_cache``)."""
+        ids = self._committed_ids()
+        if not ids.size or int(ids.min()) >= 0:
+            return ids
+        digest_of = self._mgr._tables.digest_of_token
+        return [digest_of(t) if t < 0 else t for t in ids.tolist()]
+
+    def _committed_ids(self) -> np.ndarray:
+        """The committed tokens as stored: digests as their interned ids."""
+        return np.array(self._backend.to_host(self._q.tokens[: self.num_committed_tokens]))
 
     def page_indices(self, life_cycle_id: int) -> np.ndarray:
         """One page index (inside the life cycle's GPU pool) per block; -1 = none,
@@ -194,6 +210,8 @@ class KVCache:
             if cap < self.capacity and self._backend.to_host(self._q.scratch_count).any():
                 raise ValueError("cannot shrink the capacity while scratch slots are held (suspend first)")
         blocks = -(-cap // self._T)
+        if not self._pools_can_hold(blocks, hist):
+            return False  # before anything is allocated for the new blocks
         self._reserve(blocks)
         self._fill_priorities(blocks)
         new = max(0, blocks - int(self._scalars[Q_NUM_BLOCKS]))
@@ -202,7 +220,12 @@ class KVCache:
     def commit(self, tokens, is_end: bool = False):
         """Commit the next tokens of the sequence into the reuse tree (§2.5)."""
         self._require(KVCacheStatus.ACTIVE, "commit()")
-        arr = token_array(tokens, self._mgr._tables.intern_digest)
+        if not isinstance(is_end, (bool, np.bool_)):
+            raise TypeError(f"is_end must be a bool, got {is_end!r}")
+        tables = self._mgr._tables
+        # Digests are only looked up until every check has passed, so a
+        # rejected commit interns nothing.
+        arr = token_array(tokens, tables.lookup_digest)
         if arr.size == 0:
             if is_end:
                 self.stop_committing()
@@ -214,10 +237,12 @@ class KVCache:
         if n1 > self.capacity:
             raise ValueError(f"committing {arr.size} tokens would pass the capacity ({n1} > {self.capacity})")
         if self._mgr.config.commit_min_snapshot and self.history_length not in (n0, n1):
-            raise AssertionError(
+            raise ValueError(
                 f"commit_min_snapshot: history_length ({self.history_length}) must equal the committed length "
-                f"before ({n0}) or after ({n1}) the commit"
+                f"before ({n0}) or after ({n1}) the commit of {arr.size} tokens"
             )
+        if int(arr.min()) < 0:
+            arr = token_array(tokens, tables.intern_digest)
         self._q.tokens[n0:n1] = self._backend.to_device(arr)
         blocks = -(-n1 // self._T)
         self._mgr._tables.ensure_free_blocks(blocks + 2)
@@ -257,8 +282,8 @@ class KVCache:
         if N == 0:
             return None
         mgr = self._mgr
-        scope = mgr._tree.scope_of(int(self._scalars[Q_SCOPE_ID]))
-        m = mgr._matcher.match([self.committed_tokens], scope, backoff=0).to_host()  # never backed off
+        scope = self._scope
+        m = mgr._matcher.match([ValidTokens(self._committed_ids())], scope, backoff=0).to_host()  # never backed off
         blocks = m.blocks(0)
         if int(m.num_tokens[0]) != N or not len(blocks):
             return None
@@ -282,6 +307,25 @@ class KVCache:
         self._q.path[: len(blocks)] = self._backend.to_device(blocks)
         self._q.tokens[:num_tokens] = self._backend.to_device(tokens[:num_tokens])
         self._launch(SEQ_SETUP_REUSE, num_tokens, len(blocks))
+
+    def _pools_can_hold(self, blocks: int, history: int) -> bool:
+        """False when some life cycle would need more new pages for ``blocks``
+        blocks than its whole GPU pool has (an ACTIVE cache keeps its pages
+        locked on the GPU): full attention needs one per new block, a sliding
+        window one per new block past its stale range (without scratch reuse,
+        which shares slots)."""
+        config = self._mgr.config
+        have = int(self._scalars[Q_NUM_BLOCKS])
+        for life, pool in zip(config.life_cycles, config.pages_per_life_cycle_list()):
+            if life.kind == KIND_FULL:
+                first_new = have
+            elif life.kind == KIND_SWA and config.swa_scratch_reuse is None:
+                first_new = max(have, life.stale_range(history, self._T)[1])
+            else:
+                continue
+            if blocks - first_new > pool:
+                return False
+        return True
 
     def _reserve(self, blocks: int):
         """Grow the per-sequence arrays to hold ``blocks`` blocks."""
@@ -334,6 +378,8 @@ class KVCache:
         self._q.args[:] = b.to_device(a)
         if need:
             mgr._evictor.prepare([need] * self._num_life_cycles)
+        # Every block this cache may touch, the pages it may allocate, scratch.
+        mgr._tables.ensure_log(self._q.tree.shape[0] + need + self._q.scratch.shape[1] + 8)
         self._run(mgr._tables.device, self._q, op)
         self._scalars = b.to_host(self._q.scalars).copy()
         mgr._tree.after_kernel()

@@ -13,7 +13,30 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+
+
+def _number(kind, minimum, strict: bool):
+    """An argparse type: a finite ``kind`` (int or float) above ``minimum``
+    (or at least it), so a bad value is reported with its flag and exit 2."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(value) or (value <= minimum if strict else value < minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+POSITIVE = _number(float, 0, strict=True)
+NON_NEGATIVE = _number(float, 0, strict=False)
+SEED = _number(int, 0, strict=False)
 
 
 def _versions() -> dict:
@@ -220,10 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the built-in multi-turn chats")
     w.add_argument("--limit", type=int, metavar="N", help="take the first N requests")
     w.add_argument("--conversations", type=int, default=200, metavar="N", help="built-in workload: conversations (default 200)")
-    w.add_argument("--duration", type=float, default=60.0, metavar="S",
+    w.add_argument("--duration", type=NON_NEGATIVE, default=60.0, metavar="S",
                    help="built-in workload: conversations start within S simulated seconds (default 60)")
-    w.add_argument("--seed", type=int, default=0, metavar="N", help="built-in workload: random seed")
-    w.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+    w.add_argument("--seed", type=SEED, default=0, metavar="N", help="built-in workload: random seed (>= 0)")
+    w.add_argument("--time-scale", type=POSITIVE, default=1.0, metavar="X",
                    help="trace: divide arrival times by X (2 = twice the load)")
     c = s.add_argument_group("cache")
     c.add_argument("--policy", choices=["per-page", "full-blocks"],
@@ -266,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--trace", help="a Mooncake-format JSONL trace (512-token hash ids)")
     m.add_argument("--limit", type=int, help="take the first N requests")
     m.add_argument("--conversations", type=int, default=300, help="built-in workload size")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=SEED, default=0)
     m.add_argument("--batch", type=int, default=64, help="requests matched per match_batch call")
     m.add_argument("--tokens-per-block", type=int, default=32)
     m.add_argument("--pages", type=int, default=1 << 20, help="pages per life cycle")
@@ -291,7 +314,15 @@ def main(argv=None) -> int:
     from .sim.simulate import MissingDependency
 
     try:
-        return COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()  # here, so a closed pipe is handled below and not at exit
+        return status
+    except BrokenPipeError:
+        # The reader (``| head``) has what it wanted: stop quietly, and keep
+        # the interpreter from failing again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except (ValueError, TypeError, OSError, BackendError, MissingDependency) as e:
         print(f"gpukv: error: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,9 @@ What a consumer sees is decided by four rules, each in one place below:
   event. Any other event for the group, and every flush, ends the chain.
 - *The public queue* (``_queue``): ``flush_iteration_events`` moves the pending
   events there; it keeps the newest ``max_entries`` and drops the oldest.
+  Pending events are capped the same way as they arrive (``_trim``), so a
+  caller that never drains keeps at most about ``2 * max_entries`` of them:
+  an event with ``max_entries`` newer ones could never reach a consumer.
 
 Choices where the reference leaves room, all documented at their definition:
 ``NO_WINDOW`` (the window size of life cycles without one), the created event's
@@ -256,6 +259,10 @@ class KVCacheEventManager:
         self._removed: dict[int, list] = {}  # layer group -> buffered removed hashes
         self._pending: list[KVCacheEvent] = []  # this iteration's events
         self._latest_stored: dict[int, int] = {}  # layer group -> index in _pending
+        # layer group -> last block hash of its latest stored event when _trim
+        # dropped that event: a continuation extends it, out of sight, as it
+        # would have extended the event that the queue then drops anyway.
+        self._dropped_tail: dict[int, tuple] = {}  # (EventHash, scope)
         self._queue: deque[KVCacheEvent] = deque(maxlen=max(self.max_entries, 1))
         # Block key -> scope, for the blocks of non-default scopes in the tree
         # (a child inherits its parent's; only a root-level block names its root).
@@ -327,6 +334,7 @@ class KVCacheEventManager:
         self._queue.extend(self._pending)
         self._pending = []
         self._latest_stored.clear()
+        self._dropped_tail.clear()
 
     def get_latest_events(self) -> list[KVCacheEvent]:
         """Drain the public queue, oldest first."""
@@ -438,7 +446,24 @@ class KVCacheEventManager:
         self._pending.append(event)
         if not isinstance(data, KVCacheStoredData):
             self._latest_stored.pop(group, None)
+            self._dropped_tail.pop(group, None)
+        if len(self._pending) >= 2 * self.max_entries + 16:
+            self._trim()
         return len(self._pending) - 1
+
+    def _trim(self) -> None:
+        """Keep the newest ``max_entries`` pending events. The queue would drop
+        the others at the next flush: it keeps the newest ``max_entries`` of
+        everything, and these are newer."""
+        cut = len(self._pending) - self.max_entries
+        for group, at in list(self._latest_stored.items()):
+            if at < cut:
+                data = self._pending[at].data
+                self._dropped_tail[group] = (data.blocks[-1].block_hash, data.scope)
+                del self._latest_stored[group]
+            else:
+                self._latest_stored[group] = at - cut
+        del self._pending[:cut]
 
     def _add_stored_event(self, parent_hash, block: KVCacheStoredBlockData, group: int,
                           scope: ReuseScope | None = None) -> None:
@@ -452,6 +477,10 @@ class KVCacheEventManager:
                 data = replace(event.data, blocks=event.data.blocks + (block,))
                 self._pending[latest] = replace(event, data=data)
                 return
+        if not self._removed and self._dropped_tail.get(group) == (parent_hash, scope):
+            self._dropped_tail[group] = (block.block_hash, scope)  # extends an event the cap dropped
+            return
+        self._dropped_tail.pop(group, None)
         # Not a continuation: a new event (which flushes the other groups'
         # removals, ascending, before it).
         self._latest_stored[group] = self._add_event(KVCacheStoredData(parent_hash, (block,), scope), group)

@@ -41,6 +41,7 @@ from .core.layout import (
     PAGE_LOCKS,
     PAGE_POOL_INDEX,
     PAGE_LIFE_CYCLE,
+    PAGE_SERIAL,
     PAGE_STATE,
     PAGES,
     SLOT_PAGE,
@@ -275,8 +276,13 @@ def _check_pools(mgr, pages, fail):
 
 
 def _check_monotone_coverage(mgr, slots, raw, in_use, L):
-    """Invariant 10: while a slot keeps a page, its coverage never decreases."""
+    """Invariant 10: while a slot keeps a page, its coverage never decreases.
+
+    Remembered across calls by (block key, life cycle) -> (page serial,
+    coverage): a page row is recycled when its page dies, and the serial
+    tells a new page in that row from the one seen before."""
     history = mgr.__dict__.setdefault("_sanity_coverage", {})
+    serials = mgr._backend.to_host(mgr._tables.pages[:, PAGE_SERIAL])
     seen = {}
     for r in in_use:
         if raw[r, BLK_FLAGS] & FLAG_ROOT or not raw[r, BLK_FLAGS] & FLAG_ATTACHED:
@@ -286,15 +292,16 @@ def _check_monotone_coverage(mgr, slots, raw, in_use, L):
             pg, cov = slots[r * L + lc]
             if pg == NULL:
                 continue
+            serial = int(serials[pg])
             before = history.get((key, lc))
-            if before is not None and before[0] == pg and cov < before[1]:
+            if before is not None and before[0] == serial and cov < before[1]:
                 raise AssertionError(f"invariant 10 broken: slot coverage of block row {r}, life cycle {lc} went down")
-            seen[(key, lc)] = (int(pg), int(cov))
+            seen[(key, lc)] = (serial, int(cov))
     mgr._sanity_coverage = seen
 
 
 def _scope_of(tree, sid):
-    if not 0 <= sid < len(tree._scopes):
+    if int(sid) not in tree._scopes:
         raise AssertionError(f"invariant 1 broken: root has unknown scope id {sid}")
     return tree.scope_of(sid)
 

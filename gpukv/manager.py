@@ -6,11 +6,13 @@ answers reuse queries for whole batches with one kernel launch per stage.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from .arena import TokenArena, TokenSequence
 from .core.backend import get_backend, quiet_simulator
-from .cache import KVCache, LogicError
+from .cache import KVCache, KVCacheStatus, LogicError
 from .core.config import KIND_SWA, CacheConfig
 from .evict import Evictor
 from .core.layout import (
@@ -27,7 +29,7 @@ from .matching import BatchMatch, Matcher
 from .core.scope import as_scope
 from .stats import ReuseStats
 from .tables import Tables
-from .tokens import token_array
+from .tokens import ValidTokens, token_array
 from .tree import BlockTree
 
 
@@ -43,6 +45,10 @@ class KVCacheManager:
         self._arena = TokenArena(self._backend, config.tokens_per_block, self._tables.intern_digest)
         self._matcher = Matcher(self._tables, self._tree, self._arena, config)
         self._open_caches: set[KVCache] = set()
+        self._caches = weakref.WeakSet()  # every cache still referenced, closed ones too
+        # What keeps a digest id or a scope id alive besides the tree itself.
+        self._tables.digest_references = self._digest_references
+        self._tree.scopes_in_use = self._scopes_in_use
         self._stats = ReuseStats()
         self._copies = np.zeros(len(config.life_cycles), dtype=np.int64)  # intra-device copies per life cycle
         # Real page memory: one [pages, page_bytes] byte array per life cycle
@@ -106,9 +112,12 @@ class KVCacheManager:
 
     def token_sequence(self, tokens=None) -> TokenSequence:
         """A sequence registered in the device arena (see ``TokenSequence``)."""
+        # Validated before the sequence takes an arena slot, so a rejected
+        # call holds nothing.
+        arr = None if tokens is None else token_array(tokens, self._tables.intern_digest)
         seq = TokenSequence(self._arena)
-        if tokens is not None:
-            seq.extend(tokens)
+        if arr is not None:
+            seq.extend(ValidTokens(arr))
         return seq
 
     # -- sequences -------------------------------------------------------------------------
@@ -118,16 +127,41 @@ class KVCacheManager:
         ``num_committed_tokens`` is the reused length. ``priority_callback(ordinal,
         life_cycle_id) -> 0..100`` gives the eviction priority of the pages this
         cache creates (default 35; lower values are evicted first)."""
-        kv = KVCache(self, scope, priority_callback)
+        scope = as_scope(scope)
+        m = None
         if input_tokens is not None:
-            tokens = token_array(input_tokens, self._tables.intern_digest)
-            m = self._matcher.match([tokens], scope).to_host()
+            if type(input_tokens) is TokenSequence:  # the scheduler's registered request
+                self._matcher._check_sequence(0, input_tokens)
+                tokens = np.array(self._backend.to_host(input_tokens.tokens))
+                query = input_tokens
+            else:
+                # Digests only looked up: a matched prefix holds interned ones
+                # only, and a digest no block holds need not be kept.
+                tokens = token_array(input_tokens, self._tables.lookup_digest)
+                query = ValidTokens(tokens)
+            m = self._matcher.match([query], scope).to_host()
+        kv = KVCache(self, scope, priority_callback)
+        self._caches.add(kv)
+        if m is not None:
             n = int(m.num_tokens[0])
             if n:
                 kv._setup_reuse(tokens, n, m.blocks(0))
             self._stats.record(len(tokens), n, self.tokens_per_block, self.ssm_life_cycle_id is not None)
         self._open_caches.add(kv)
         return kv
+
+    def _digest_references(self):
+        """Token arrays that may hold interned digest ids: the arena's, and the
+        committed tokens of every cache still referenced (a closed one can
+        still be asked for them)."""
+        arena = self._arena
+        yield arena.tokens[: arena.top_blocks * arena.T]
+        for kv in list(self._caches):
+            yield kv._q.tokens[: kv.num_committed_tokens]
+
+    def _scopes_in_use(self):
+        """Scope ids that caches still refer to (open ones create blocks in it)."""
+        return [kv.scope_id for kv in list(self._caches) if kv.status is not KVCacheStatus.CLOSED]
 
     def get_and_reset_reuse_stats(self) -> dict:
         """Reuse counters since the last call (per scheduler iteration):
@@ -149,6 +183,11 @@ class KVCacheManager:
         """The life cycle's page pool at a cache level (0 = GPU, 1 = host) as a
         [pages, page_bytes] uint8 array (None when ``page_bytes`` is 0 or the
         level has no pages); ``KVCache.page_indices`` index the GPU pool."""
+        L = len(self.config.life_cycles)
+        if not isinstance(life_cycle_id, (int, np.integer)) or isinstance(life_cycle_id, bool) or not 0 <= life_cycle_id < L:
+            raise ValueError(f"life_cycle_id must be in 0..{L - 1}, got {life_cycle_id!r}")
+        if level not in (0, 1) or isinstance(level, bool) or not isinstance(level, (int, np.integer)):
+            raise ValueError(f"level must be 0 (GPU) or 1 (host), got {level!r}")
         return self._page_memory[level][life_cycle_id]
 
     def _copy_pages(self, copies: np.ndarray):

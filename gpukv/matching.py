@@ -27,7 +27,7 @@ from .kernels.match import (
 from .core.layout import CNT_DETACHES
 from .core.scope import ReuseScope, as_scope
 from .tables import Tables
-from .tokens import check_flat, flatten, token_error
+from .tokens import ValidTokens, check_flat, flatten, token_error
 from .tree import BlockTree
 
 
@@ -101,8 +101,8 @@ class Matcher:
 
     def _tokens_of(self, i, r):
         if type(r) is TokenSequence:
-            self._check_sequence(i, r)
-            r = r.tokens
+            self._check_sequence(i, r)  # validated on extend; digests are interned ids
+            return ValidTokens(np.asarray(self.backend.to_host(r.tokens)))
         return self.backend.to_host(r) if hasattr(r, "__cuda_array_interface__") else r
 
     def _check_sequence(self, i, s):

@@ -95,6 +95,7 @@ DeviceTables = namedtuple(
 
 _DEVICE_FIELDS = frozenset(DeviceTables._fields)
 INITIAL_BLOCK_ROWS = 256
+LOG_MIN_ROWS = 256
 UNKNOWN_DIGEST = -(2**31)  # stands for any digest no block holds
 
 
@@ -142,9 +143,9 @@ class Tables:
             pages[rows_of_lc, PAGE_LIFE_CYCLE] = lc
             row_free[rows_of_lc] = rows_of_lc[::-1]  # pop the lowest row first
         self.num_pages = total
-        # Not zeroed: the kernels clear each record as they append it, and
-        # the rows no launch reaches are never touched (so never paged in).
-        self.log = xp.empty((_log_rows(rows, total), LOG.width), dtype=np.int64)
+        # Not zeroed: the kernels clear each record as they append it. Sized
+        # per launch (``ensure_log``), never for the whole pool.
+        self.log = xp.empty((LOG_MIN_ROWS, LOG.width), dtype=np.int64)
         self.pages = backend.to_device(pages)
         self.page_free = backend.to_device(page_free)
         self.pool_start = backend.to_device(starts)
@@ -172,8 +173,14 @@ class Tables:
         self.lc_window = backend.to_device(window)
         self.lc_sinks = backend.to_device(sinks)
         self.mm_digests = xp.zeros((1, 32), dtype=np.uint8)
-        self.num_mm_digests = 0
+        self.num_mm_digests = 0  # rows of mm_digests ever used (freed rows are reused)
         self._mm_index: dict[bytes, int] = {}
+        self._mm_free: list[int] = []  # reclaimed rows
+        self._mm_young: set[int] = set()  # interned since the last collection: kept
+        self._mm_collect_at = 64
+        # Token arrays outside these tables that may hold digest ids (the arena,
+        # the caches' committed tokens); the manager sets it.
+        self.digest_references = lambda: ()
         self.work = xp.zeros(SHA256_WORK_WORDS, dtype=np.uint32)
         policy = np.zeros(POLICY_WIDTH, dtype=np.int64)
         policy[POLICY_COMMIT_MIN_SNAPSHOT] = int(config.commit_min_snapshot)
@@ -234,8 +241,6 @@ class Tables:
         block_free[extra:extra + free] = self.block_free[:free]
         self.blocks, self.tokens, self.slots, self.block_free = blocks, tokens, slots, block_free
         self.counters[CNT_BLOCK_FREE_TOP] = free + extra
-        # The log is drained after every operation, so it is empty here.
-        self.log = xp.empty((_log_rows(new, self.num_pages), LOG.width), dtype=np.int64)
         self._rebuild_index(_pow2_at_least(2 * new))
 
     def _rebuild_index(self, num_buckets: int):
@@ -278,18 +283,47 @@ class Tables:
 
     # -- multimodal digests -----------------------------------------------------
     def intern_digest(self, digest: bytes) -> int:
-        """The token id standing for a 32-byte multimodal digest (negative)."""
+        """The token id standing for a 32-byte multimodal digest (negative).
+
+        A digest stays interned while a block, a cache or a registered
+        sequence holds its id; the others are reclaimed now and then (see
+        ``_collect_digests``), so a stream of distinct images does not grow
+        the table for ever."""
         i = self._mm_index.get(digest)
         if i is None:
-            i = self.num_mm_digests
-            if i >= self.mm_digests.shape[0]:
-                grown = self.xp.zeros((2 * self.mm_digests.shape[0], 32), dtype=np.uint8)
-                grown[:i] = self.mm_digests
-                self.mm_digests = grown
+            if len(self._mm_index) >= self._mm_collect_at:
+                self._collect_digests()
+            if self._mm_free:
+                i = self._mm_free.pop()
+            else:
+                i = self.num_mm_digests
+                if i >= self.mm_digests.shape[0]:
+                    grown = self.xp.zeros((2 * self.mm_digests.shape[0], 32), dtype=np.uint8)
+                    grown[:i] = self.mm_digests
+                    self.mm_digests = grown
+                self.num_mm_digests = i + 1
             self.mm_digests[i] = self.xp.asarray(np.frombuffer(digest, dtype=np.uint8))
             self._mm_index[digest] = i
-            self.num_mm_digests = i + 1
+            self._mm_young.add(i)
         return -1 - i
+
+    def _collect_digests(self):
+        """Free the rows of digests no token array refers to: not a block of
+        these tables, not the arrays ``digest_references`` names. Digests
+        interned since the last collection are kept (a call interning several
+        may not have stored the first ones yet); the next one frees them."""
+        xp = self.xp
+        in_use = xp.nonzero(self.blocks[:, BLK_FLAGS] & FLAG_IN_USE)[0]
+        held = [self.tokens[in_use].reshape(-1), *self.digest_references()]
+        ids = [np.asarray(self.backend.to_host(a[a < 0])) for a in held if a.shape[0]]
+        live = np.unique(np.concatenate(ids)) if ids else np.zeros(0, dtype=np.int32)
+        live_rows = set((-1 - live[live > UNKNOWN_DIGEST].astype(np.int64)).tolist()) | self._mm_young
+        for digest, i in list(self._mm_index.items()):
+            if i not in live_rows:
+                del self._mm_index[digest]
+                self._mm_free.append(i)
+        self._mm_young = set()
+        self._mm_collect_at = max(64, 2 * len(self._mm_index))
 
     def lookup_digest(self, digest: bytes) -> int:
         """The token id of a digest for a lookup: its interned id, or an id no
@@ -307,6 +341,25 @@ class Tables:
         have = self.log_tokens.shape[0]
         if have < blocks:
             self.log_tokens = self.xp.zeros((max(blocks, 2 * have), self.log_tokens.shape[1]), dtype=np.int32)
+
+    def ensure_log(self, blocks: int):
+        """Room in the change log for one launch of an operation on up to
+        ``blocks`` blocks (those it may create, and per life cycle the pages
+        it may allocate, release or move, with their eviction victims).
+
+        What one launch logs: one removal per row in use before it (a page
+        death can take a whole subtree, a clear takes everything; a root's
+        removal is its own row's record), and per block it creates a creation
+        and a removal (its root's too); per page it touches a death, or up to
+        two migrations (an allocation evicts a victim, and moving it to the
+        host tier may drop a host page); and an announcement with one page
+        info per life cycle for every row of ``log_tokens``. The log is
+        drained after every launch, so a larger one simply replaces it."""
+        live = self.num_rows - int(self.counters_host()[CNT_BLOCK_FREE_TOP])
+        L = self.num_life_cycles
+        rows = live + 3 * (blocks + 2) + 4 * L * (blocks + 2) + (L + 1) * self.log_tokens.shape[0] + LOG_MIN_ROWS
+        if self.log.shape[0] < rows:
+            self.log = self.xp.empty((rows + rows // 4, LOG.width), dtype=np.int64)
 
     def drain_log(self, counters: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The log records since the last drain and the announced tokens (host
@@ -329,13 +382,6 @@ class Tables:
         copies = np.array(self.backend.to_host(self.copies[:n]))
         self.counters[CNT_NUM_COPIES] = 0
         return copies
-
-
-def _log_rows(block_rows: int, pages: int) -> int:
-    """A launch logs at most a removal per block row plus its creations, and
-    per page a death or a migration, and announcements with one info record
-    per life cycle."""
-    return 2 * block_rows + 4 * pages + 256
 
 
 def _pow2_at_least(n: int) -> int:

@@ -6,12 +6,22 @@ request index and the position of the bad token.
 
 Python lists go through ``struct.pack_into``: it converts in C and rejects
 non-integers and values outside int32 on the way, so validation costs one
-vectorized sign check on top of the conversion itself.
+vectorized sign check on top of the conversion itself. ``struct`` takes a bool
+as the int it subclasses; a bool array is rejected by its dtype, so a bool in
+a list is rejected too: only the few positions that hold 0 or 1 are looked at.
+
+Accepted sequences are lists, tuples, ranges, 1-D integer arrays and other
+``collections.abc.Sequence``s; ``str``, ``bytes``, ``bytearray`` and
+``memoryview`` are not token sequences, nor are sets and dicts (no order, or
+keys that are not tokens). ``ValidTokens`` wraps an array that was validated
+and converted already (digests as interned ids), so it is not checked again.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence as SequenceABC
+from operator import itemgetter
 from typing import Callable, Sequence
 
 import numpy as np
@@ -29,43 +39,93 @@ def _where(request: int | None) -> str:
     return "" if request is None else f"request {request}: "
 
 
+class ValidTokens:
+    """An int32 array already validated and converted (digests as their
+    interned ids, as the tables and the arena store them)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __len__(self) -> int:
+        return int(self.array.shape[0])
+
+
+_NOT_TOKEN_SEQUENCES = (str, bytes, bytearray, memoryview)
+
+
+def _check_container(tokens, request):
+    if isinstance(tokens, _NOT_TOKEN_SEQUENCES) or not isinstance(tokens, SequenceABC):
+        raise TypeError(f"{_where(request)}tokens must be a sequence of ints, got {type(tokens).__name__}")
+
+
 def token_array(tokens, intern: Callable[[bytes], int], request: int | None = None) -> np.ndarray:
     """One sequence as a validated int32 array (digests interned)."""
+    if type(tokens) is ValidTokens:
+        return tokens.array
     if isinstance(tokens, np.ndarray):
         return _from_ndarray(tokens, request)
-    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-        raise TypeError(f"{_where(request)}tokens must be a sequence of ints, got {type(tokens).__name__}")
+    _check_container(tokens, request)
     out = np.empty(len(tokens), dtype=np.int32)
     try:
         struct.pack_into(f"={len(out)}i", out, 0, *tokens)
     except struct.error:
         return _slow(tokens, intern, request)
     _check_sign(out, request)
+    if _bool_at(tokens, np.flatnonzero(out <= 1)) is not None:
+        return _slow(tokens, intern, request)  # raises, naming the position
     return out
+
+
+def _bool_at(tokens, candidates: np.ndarray):
+    """The first of ``candidates`` (positions holding 0 or 1) where ``tokens``
+    holds a bool, or None."""
+    if candidates.size == 0:
+        return None
+    picked = itemgetter(*candidates.tolist())(tokens)
+    if candidates.size == 1:
+        picked = (picked,)
+    if bool not in map(type, picked):
+        return None
+    return int(candidates[[type(t) is bool for t in picked].index(True)])
 
 
 def flatten(requests: Sequence, intern: Callable[[bytes], int]) -> tuple[np.ndarray, np.ndarray]:
     """Many sequences as ``(flat int32 tokens, int64 offsets of length B+1)``."""
     if isinstance(requests, (str, bytes, np.ndarray)) or not hasattr(requests, "__len__"):
         raise TypeError("requests must be a list of token sequences or a (flat_tokens, offsets) pair")
-    try:
-        lengths = np.fromiter(map(len, requests), dtype=np.int64, count=len(requests))
-    except TypeError:
-        i = next(i for i, r in enumerate(requests) if not hasattr(r, "__len__"))
-        raise TypeError(f"request {i}: tokens must be a sequence of ints, got {type(requests[i]).__name__}") from None
+    for i, r in enumerate(requests):  # one check per request, not per token
+        if type(r) is not list and type(r) is not ValidTokens and not isinstance(r, np.ndarray):
+            _check_container(r, i)
+        elif isinstance(r, np.ndarray) and r.ndim != 1:
+            raise ValueError(f"request {i}: tokens must be 1-D, got shape {r.shape}")
+    lengths = np.fromiter(map(len, requests), dtype=np.int64, count=len(requests))
     offsets = np.zeros(len(requests) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     flat = np.empty(int(offsets[-1]), dtype=np.int32)
     digest_requests = []  # converted token by token; negative ids there are digests
+    packed = []  # lists packed by struct, which takes bools for ints
     for i, r in enumerate(requests):  # one C call per request; no per-token Python
         lo, hi = offsets[i], offsets[i + 1]
         if type(r) is list or type(r) is tuple:
             try:
                 struct.pack_into(f"={hi - lo}i", flat, 4 * lo, *r)
+                packed.append(i)
                 continue
             except struct.error:
                 digest_requests.append(i)
+        elif type(r) is ValidTokens:
+            digest_requests.append(i)
         flat[lo:hi] = token_array(r, intern, request=i)
+    if packed:
+        small = np.flatnonzero((flat >= 0) & (flat <= 1))
+        owner = np.searchsorted(offsets, small, side="right") - 1
+        keep = np.isin(owner, packed)
+        for i in np.unique(owner[keep]).tolist():  # requests holding a 0 or a 1
+            pos = _bool_at(requests[i], small[keep & (owner == i)] - offsets[i])
+            if pos is not None:
+                raise _bool_error(i, pos)
     if flat.size and int(flat.min()) < 0:
         negative = np.nonzero(flat < 0)[0]
         owner = np.searchsorted(offsets, negative, side="right") - 1
@@ -121,7 +181,7 @@ def _host(a):
 
 
 def _from_ndarray(a: np.ndarray, request) -> np.ndarray:
-    if a.ndim != 1:
+    if a.ndim != 1:  # a 0-d array too: one int is not a sequence
         raise ValueError(f"{_where(request)}tokens must be 1-D, got shape {a.shape}")
     if a.dtype.kind not in "iu":
         raise TypeError(f"{_where(request)}tokens must be integers, got dtype {a.dtype}")
@@ -131,6 +191,10 @@ def _from_ndarray(a: np.ndarray, request) -> np.ndarray:
             bad = int(np.argmax((a < 0) | (a > MAX_TOKEN_ID)))
             raise token_error(request, bad, int(a[bad]))
     return a.astype(np.int32, copy=False)
+
+
+def _bool_error(request, pos) -> TypeError:
+    return TypeError(f"{_where(request)}token at position {pos} must be an int or 32-byte digest, got a bool")
 
 
 def _check_sign(a: np.ndarray, request):
@@ -150,6 +214,8 @@ def _slow(tokens, intern, request) -> np.ndarray:
             if len(tok) != DIGEST_BYTES:
                 raise TokenError(f"{_where(request)}digest token at position {pos} must be 32 bytes, got {len(tok)}")
             digests.append(pos)
+        elif type(tok) is bool:
+            raise _bool_error(request, pos)
         elif isinstance(tok, (int, np.integer)):
             if not 0 <= tok <= MAX_TOKEN_ID:
                 raise token_error(request, pos, tok)

@@ -69,11 +69,17 @@ class BlockTree:
         self.tables = tables
         self.backend = tables.backend
         self._run = build_tree_kernel(self.backend.target)
+        # The scope registry, by id. Ids are never reused (a reclaimed scope
+        # that comes back gets a new one), so nothing that remembers an id,
+        # like the arena's memo, can mistake one scope for another.
         self._scope_ids: dict[ReuseScope, int] = {}
-        self._scopes: list[ReuseScope] = []  # by id
-        self._scope_keys: list[int] = []
-        self._scope_digests: list[np.ndarray] = []
+        self._scopes: dict[int, ReuseScope] = {}
+        self._scope_keys: dict[int, int] = {}
+        self._scope_digests: dict[int, np.ndarray] = {}
         self._scope_by_digest: dict[bytes, ReuseScope] = {}  # root digest -> scope
+        self._next_scope_id = 0
+        self._scope_collect_at = 64
+        self.scopes_in_use = lambda: ()  # scope ids that open caches refer to; the manager sets it
         self.log_sink: list | None = None  # tests collect the change log here
         self.event_sink = None  # on_records(records, tokens) of the event manager
         self.copy_sink = None  # carries out the page data copies of a launch
@@ -85,15 +91,33 @@ class BlockTree:
         scope = as_scope(scope)
         sid = self._scope_ids.get(scope)
         if sid is None and create:
-            sid = len(self._scope_keys)
+            if len(self._scope_ids) >= self._scope_collect_at:
+                self._collect_scopes()
+            sid = self._next_scope_id
             raw = scope.to_bytes()
-            self._scope_keys.append(root_key64(raw))
+            # Every entry is computed before any is stored.
             digest = hashlib.sha256(raw).digest()
-            self._scope_digests.append(digest_to_int64x4(digest))
+            key, digest64 = root_key64(raw), digest_to_int64x4(digest)
+            self._scope_keys[sid] = key
+            self._scope_digests[sid] = digest64
             self._scope_by_digest[digest] = scope
+            self._scopes[sid] = scope
             self._scope_ids[scope] = sid
-            self._scopes.append(scope)
+            self._next_scope_id = sid + 1
         return -1 if sid is None else sid
+
+    def _collect_scopes(self):
+        """Forget the scopes nothing refers to: no root in the tables (a root
+        lives while its scope has blocks) and no open cache."""
+        flags = self.backend.to_host(self.tables.blocks[:, BLK_FLAGS])
+        roots = np.nonzero((flags & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE))[0]
+        live = set(self.backend.to_host(self.tables.blocks[:, BLK_SCOPE])[roots].tolist())
+        live.update(self.scopes_in_use())
+        for scope, sid in list(self._scope_ids.items()):
+            if sid not in live:
+                del self._scope_ids[scope], self._scopes[sid], self._scope_keys[sid]
+                self._scope_by_digest.pop(int64x4_to_digest(self._scope_digests.pop(sid)), None)
+        self._scope_collect_at = max(64, 2 * len(self._scope_ids))
 
     def scope_key(self, sid: int) -> int:
         return self._scope_keys[sid]
@@ -109,11 +133,14 @@ class BlockTree:
         return int64x4_to_digest(self._scope_digests[sid])
 
     # -- kernel launch --------------------------------------------------------------
-    def _op(self, op: int, args=(), toks=None, need=None) -> np.ndarray:
-        """One tree kernel launch; ``need[lc]`` bounds the GPU pages it allocates."""
+    def _op(self, op: int, args=(), toks=None, need=None, pages: int = 0) -> np.ndarray:
+        """One tree kernel launch; ``need[lc]`` bounds the GPU pages it
+        allocates, ``pages`` any other pages per life cycle it may free."""
         b = self.backend
         if need is not None and self.evictor is not None:
             self.evictor.prepare(need)
+        blocks = 0 if toks is None else -(-len(toks) // max(1, self.tables.tokens_per_block))
+        self.tables.ensure_log(blocks + max(need or [0]) + pages)
         a = np.zeros(8, dtype=np.int64)
         a[: len(args)] = args
         t = np.zeros(max(1, self.tables.tokens_per_block), dtype=np.int32) if toks is None else toks
@@ -163,7 +190,7 @@ class BlockTree:
     def add(self, tokens, parent: BlockRef | None = None, scope=None) -> tuple[BlockRef, bool]:
         """``add_or_get`` (§2.2) under ``parent`` or under the scope's root."""
         T = self.tables.tokens_per_block
-        arr = token_array(tokens, self.tables.intern_digest)
+        arr = token_array(tokens, self.tables.lookup_digest)  # digests interned once every check passed
         if not 1 <= arr.size <= T:
             raise ValueError(f"a block holds 1..{T} tokens, got {arr.size}")
         p = NULL
@@ -180,6 +207,7 @@ class BlockTree:
             sid = int(row[BLK_SCOPE])
             if scope is not None and self.scope_id(scope) != sid:
                 raise ValueError("scope differs from the parent's scope")
+        arr = self._interned(tokens, arr)
         toks = np.zeros(T, dtype=np.int32)
         toks[: arr.size] = arr
         self.tables.ensure_free_blocks(2)
@@ -191,14 +219,20 @@ class BlockTree:
         page of full coverage per life cycle where strictly wider. Returns the
         number of blocks that got their pages (fewer when a pool runs dry)."""
         T = self.tables.tokens_per_block
-        arr = token_array(tokens, self.tables.intern_digest)
+        arr = token_array(tokens, self.tables.lookup_digest)
         if arr.size == 0:
             return 0
         sid = self.scope_id(scope, create=True)
+        arr = self._interned(tokens, arr)
         self.tables.ensure_free_blocks(-(-arr.size // T) + 1)
         self.tables.ensure_log_tokens(-(-arr.size // T) + 1)
         out = self._op(OP_INSERT, (sid, self._scope_keys[sid], arr.size, 0, *self._scope_digests[sid]), arr)
         return int(out[3])
+
+    def _interned(self, tokens, arr: np.ndarray) -> np.ndarray:
+        """``arr``, converted with digests only looked up, converted again with
+        them interned when it holds any: the call has passed its checks."""
+        return token_array(tokens, self.tables.intern_digest) if arr.size and int(arr.min()) < 0 else arr
 
     def add_page(self, block: BlockRef, lc: int, coverage: int, priority: int = DEFAULT_PRIORITY) -> int:
         """A fresh committed page of ``coverage`` tokens installed in ``block``'s
@@ -232,7 +266,7 @@ class BlockTree:
         self._check_lc(lc)
         need = [0] * self.tables.num_life_cycles
         need[lc] = free if level == 0 else 0
-        return bool(self._op(OP_EVICT, (lc, level, free), need=need)[0])
+        return bool(self._op(OP_EVICT, (lc, level, free), need=need, pages=int(free))[0])
 
     def unlink_page(self, block: BlockRef, lc: int, expected: int = NULL) -> int:
         r = self.resolve(block)

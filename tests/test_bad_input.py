@@ -10,6 +10,7 @@ only; the tree operations run on both backends.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import numpy as np
 import pytest
@@ -129,11 +130,21 @@ def test_a_request_that_is_not_a_sequence_names_its_index():
         mgr.match_batch([[1, 2], None])
 
 
-def test_bool_tokens_in_a_list_are_the_ints_they_are_in_python():
-    """A Python bool is an int (True == 1); a bool *array* is rejected above
-    because an array's dtype says what its author meant."""
+@pytest.mark.parametrize("tokens, pos", [([True, 2, 3, 4], 0), ([1, 2, 0, False], 3), ((5, 1, True), 2)])
+def test_bool_tokens_are_rejected_in_lists_as_in_arrays(tokens, pos):
+    """A bool array is rejected by its dtype; a bool in a list is rejected the
+    same way, although Python counts True as 1 (0 and 1 next to it are fine)."""
     mgr, *_ = small_tree()
-    assert mgr.probe_reuse([True, 2, 3, 4]) == mgr.probe_reuse([1, 2, 3, 4]) > 0
+    msg = rf"token at position {pos} must be an int or 32-byte digest, got a bool"
+    with rejected(mgr, TypeError, "request 0: " + msg):
+        mgr.probe_reuse(tokens)
+    with rejected(mgr, TypeError, "request 1: " + msg):
+        mgr.match_batch([[1, 2], tokens])
+    with rejected(mgr, TypeError, msg):
+        mgr.token_sequence(tokens)
+    with rejected(mgr, TypeError, msg):
+        introspect.insert_sequence(mgr, tokens)
+    assert mgr.probe_reuse([1, 2, 0, 1]) == mgr.probe_reuse(np.array([1, 2, 0, 1])) > 0
 
 
 def test_a_rejected_request_interns_no_digest():
@@ -365,6 +376,8 @@ BAD_CONFIGS = [
     (dict(tokens_per_block=True), "tokens_per_block"),
     (dict(tokens_per_block=4.0), "tokens_per_block"),
     (dict(tokens_per_block=5000), "tokens_per_block"),
+    (dict(layers=[]), r"layers must hold at least one"),
+    (dict(layers=()), r"layers must hold at least one"),
     (dict(layers=[1]), r"layers\[0\]"),
     (dict(layers=[Attention(), "ssm"]), r"layers\[1\]"),
     (dict(layers=[Attention]), r"layers\[0\]"),
@@ -375,6 +388,17 @@ BAD_CONFIGS = [
     (dict(page_bytes=-1), "page_bytes"),
     (dict(reuse_match_backoff=-1), "reuse_match_backoff"),
     (dict(reuse_match_backoff=1.0), "reuse_match_backoff"),
+    (dict(reuse_match_backoff=2**64), r"reuse_match_backoff must be at most 2147483647"),
+    (dict(reuse_match_backoff=2**31), r"reuse_match_backoff must be at most"),
+    (dict(pages_per_life_cycle=0), r"pages_per_life_cycle must be an int >= 1, got 0"),
+    (dict(pages_per_life_cycle=[0]), r"pages_per_life_cycle must be an int >= 1, got 0"),
+    (dict(pages_per_life_cycle=1.5), r"pages_per_life_cycle must be an int or a list"),
+    (dict(pages_per_life_cycle={7: 1}), r"pages_per_life_cycle must be an int or a list"),
+    (dict(pages_per_life_cycle={7}), r"pages_per_life_cycle must be an int or a list"),
+    (dict(pages_per_life_cycle=(n for n in [4])), r"pages_per_life_cycle must be an int or a list"),
+    (dict(pages_per_life_cycle=True), r"pages_per_life_cycle must be an int or a list"),
+    (dict(pages_per_life_cycle="4"), r"pages_per_life_cycle must be an int or a list"),
+    (dict(host_pages_per_life_cycle=(n for n in [4])), r"host_pages_per_life_cycle must be an int or a list"),
     (dict(max_kv_event_entries="x"), "max_kv_event_entries"),
     (dict(enable_partial_reuse=1), "enable_partial_reuse"),
     (dict(commit_min_snapshot="yes"), "commit_min_snapshot"),
@@ -413,7 +437,6 @@ def test_valid_edge_configs():
     # M19: SSM with partial reuse is allowed (with commit_min_snapshot)
     c = CacheConfig(layers=[Attention(), Ssm()], commit_min_snapshot=True, enable_partial_reuse=True)
     assert c.ssm_life_cycle_id == 1
-    assert CacheConfig(layers=[]).life_cycles == ()
     assert CacheConfig(tokens_per_block=np.int64(4)).tokens_per_block == 4
     assert CacheConfig(max_kv_event_entries=-1).max_kv_event_entries == -1  # <= 0 disables events
     with pytest.raises(TypeError, match="config must be a gpukv.CacheConfig, got dict"):
@@ -423,3 +446,105 @@ def test_valid_edge_configs():
 def test_layers_none_names_the_field():
     with pytest.raises(ConfigError, match="layers"):
         CacheConfig(layers=None)
+
+
+# ---------------------------------------------------------------------------
+# arguments a hostile caller tries
+# ---------------------------------------------------------------------------
+
+DIGEST = bytes(range(32))
+
+
+@pytest.mark.parametrize(
+    "tokens, name",
+    [({1, 2}, "set"), (frozenset([1]), "frozenset"), ({1: 2}, "dict"), (memoryview(b"ab"), "memoryview"),
+     (bytearray(b"ab"), "bytearray"), ((t for t in [1, 2]), "generator")],
+)
+def test_sets_dicts_and_memoryviews_are_not_token_sequences(tokens, name):
+    mgr, *_ = small_tree()
+    msg = rf"tokens must be a sequence of ints, got {name}"
+    with rejected(mgr, TypeError, "request 0: " + msg):
+        mgr.probe_reuse(tokens)
+    with rejected(mgr, TypeError, "request 1: " + msg):
+        mgr.match_batch([[1], tokens])
+    for call in (mgr.create_kv_cache, mgr.token_sequence, lambda t: introspect.insert_sequence(mgr, t)):
+        with rejected(mgr, TypeError, msg):
+            call(tokens)
+    assert not mgr._open_caches
+
+
+def test_a_zero_dimensional_array_is_not_a_token_sequence():
+    mgr, *_ = small_tree()
+    with rejected(mgr, ValueError, r"request 0: tokens must be 1-D, got shape \(\)"):
+        mgr.probe_reuse(np.array(5))
+    with rejected(mgr, ValueError, r"request 1: tokens must be 1-D, got shape \(\)"):
+        mgr.match_batch([[1, 2], np.array(5)])  # was: StopIteration
+    with rejected(mgr, ValueError, r"tokens must be 1-D, got shape \(\)"):
+        mgr.create_kv_cache(input_tokens=np.array(5))
+
+
+def test_a_rejected_cache_registers_no_scope():
+    mgr, *_ = small_tree()
+    with rejected(mgr, gpukv.TokenError, r"token -1 at position 0"):
+        mgr.create_kv_cache(input_tokens=[-1, 2], scope=ReuseScope(salt=5))
+    assert not mgr._open_caches
+
+
+@pytest.mark.parametrize(
+    "id_offset, n, token_offset",
+    [(2**31, 4, 0), (2**31 - 3, 4, 0), (2**31 - 10, 2, 9), (-5, 4, 0), (2**64, 2, 0)],
+)
+def test_multimodal_key_tokens_must_be_token_ids(id_offset, n, token_offset):
+    with pytest.raises(ValueError, match=r"id_offset .* must stay in the token range 0\.\.2147483647"):
+        gpukv.gen_multimodal_cache_key_tokens(id_offset, DIGEST, n, token_offset)
+
+
+def test_multimodal_key_tokens_at_the_edge_of_the_range():
+    assert gpukv.gen_multimodal_cache_key_tokens(2**31 - 4, DIGEST, 4) == [DIGEST, 2**31 - 3, 2**31 - 2, 2**31 - 1]
+    assert gpukv.gen_multimodal_cache_key_tokens(2**40, DIGEST, 1) == [DIGEST]  # no int token at all
+
+
+def open_cache(mgr, capacity=8, history=0):
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(capacity, history)
+    return kv
+
+
+@pytest.mark.parametrize("is_end", [1, 0, "yes", None, [True]])
+def test_is_end_must_be_a_bool(is_end):
+    mgr, *_ = small_tree()
+    kv = open_cache(mgr)
+    with rejected(mgr, TypeError, "is_end must be a bool, got " + re.escape(repr(is_end))):
+        kv.commit([7, 7, 7], is_end=is_end)
+    assert kv.num_committed_tokens == 0
+    kv.close()
+
+
+def test_the_commit_min_snapshot_history_rule_is_a_value_error():
+    mgr = make_manager("cpu", tokens_per_block=T, layers=LAYERS, commit_min_snapshot=True)
+    kv = open_cache(mgr, 8, 4)
+    with rejected(mgr, ValueError, r"commit_min_snapshot: history_length \(4\) must equal the committed length "
+                                   r"before \(0\) or after \(2\) the commit of 2 tokens"):
+        kv.commit([1, 2])  # was: AssertionError
+    kv.commit([1, 2, 3, 4])
+    assert kv.num_committed_tokens == 4
+    kv.close()
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [((7,), r"life_cycle_id must be in 0\.\.1, got 7"), ((-1,), r"life_cycle_id must be in 0\.\.1, got -1"),
+     ((True,), r"life_cycle_id must be in 0\.\.1, got True"), (("0",), r"life_cycle_id must be in 0\.\.1, got '0'"),
+     ((0, 2), r"level must be 0 \(GPU\) or 1 \(host\), got 2"), ((0, -1), r"level must be 0 \(GPU\) or 1 \(host\)")],
+)
+def test_page_memory_checks_its_arguments(args, msg):
+    mgr = make_manager("cpu", tokens_per_block=T, layers=LAYERS, page_bytes=8, pages_per_life_cycle=4)
+    with pytest.raises(ValueError, match=msg):
+        mgr.page_memory(*args)  # was: another life cycle's pool (-1) or IndexError (7)
+    assert mgr.page_memory(1).shape == (4, 8) and mgr.page_memory(0, 1) is None
+
+
+def test_a_huge_backoff_is_refused_by_the_config_and_the_largest_works():
+    mgr = make_manager("cpu", tokens_per_block=T, layers=LAYERS, reuse_match_backoff=2**31 - 1)
+    introspect.make_test_block(mgr, [1, 2], [2, 2])
+    assert mgr.probe_reuse([1, 2, 3]) == 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import gpukv
 from gpukv import Attention, ReuseScope, Ssm, introspect
 from gpukv.kernels.sha256 import int64x4_to_digest
 from gpukv.kernels.tree import OP_INSERT
@@ -243,8 +244,12 @@ def test_d9_lc1_empty_lc0_present_on_full_attention_removes_the_tip(backend):
 
 
 def d10_manager(backend):
-    # CacheConfig accepts layers=[]: a tree with no life cycles (no slots, no pages).
-    mgr = make_manager(backend, tokens_per_block=2, layers=[])
+    # A tree with no life cycles (no slots, no pages). CacheConfig refuses
+    # layers=[] (a match would report reuse with no KV behind it), so the
+    # config is built past that check: the tree itself needs no life cycle.
+    config = gpukv.CacheConfig(tokens_per_block=2, backend=backend)
+    object.__setattr__(config, "layers", ())
+    mgr = gpukv.KVCacheManager(config)
     assert mgr.life_cycles == () and introspect.tables(mgr)["slots"].shape[0] == 0
     return mgr
 

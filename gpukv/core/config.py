@@ -141,20 +141,34 @@ class CacheConfig:
         positive_int("tokens_per_block", self.tokens_per_block)
         if self.tokens_per_block > 4096:
             raise ConfigError(f"tokens_per_block must be at most 4096, got {self.tokens_per_block}")
+        if not self.layers:
+            # No layer means no KV at all: every match would report reuse of nothing.
+            raise ConfigError("layers must hold at least one gpukv.Attention or gpukv.Ssm")
         for i, spec in enumerate(self.layers):
             if not isinstance(spec, (Attention, Ssm)):
                 raise ConfigError(f"layers[{i}] must be gpukv.Attention or gpukv.Ssm, got {spec!r}")
-        for name in ("pages_per_life_cycle", "host_pages_per_life_cycle"):
+        for name, minimum in (("pages_per_life_cycle", 1), ("host_pages_per_life_cycle", 0)):
             v = getattr(self, name)
-            per = [v] * len(self.life_cycles) if isinstance(v, (int, np.integer)) else list(v)
-            if len(per) != len(self.life_cycles):
+            # A list, tuple or 1-D array only: a generator would be used up by
+            # this check, and a dict or set has no order of life cycles.
+            if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+                per = [v]
+            elif isinstance(v, (list, tuple)) or (isinstance(v, np.ndarray) and v.ndim == 1):
+                per = list(v)
+                if len(per) != len(self.life_cycles):
+                    raise ConfigError(
+                        f"{name} must be an int or one int per life cycle ({len(self.life_cycles)}), got {v!r}"
+                    )
+            else:
                 raise ConfigError(
-                    f"{name} must be an int or one int per life cycle ({len(self.life_cycles)}), got {v!r}"
+                    f"{name} must be an int or a list of one int per life cycle ({len(self.life_cycles)}), got {v!r}"
                 )
             for x in per:
-                positive_int(name, x, minimum=0)
+                positive_int(name, x, minimum=minimum)
         positive_int("page_bytes", self.page_bytes, minimum=0)
         positive_int("reuse_match_backoff", self.reuse_match_backoff, minimum=0)
+        if self.reuse_match_backoff > MAX_TOKEN_ID:  # the kernels hold it in 64 bits
+            raise ConfigError(f"reuse_match_backoff must be at most {MAX_TOKEN_ID}, got {self.reuse_match_backoff!r}")
         if not isinstance(self.max_kv_event_entries, (int, np.integer)) or isinstance(self.max_kv_event_entries, bool):
             raise ConfigError(f"max_kv_event_entries must be an int, got {self.max_kv_event_entries!r}")
         for name in ("enable_partial_reuse", "commit_min_snapshot"):

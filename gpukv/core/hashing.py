@@ -158,6 +158,12 @@ def gen_multimodal_cache_key_tokens(
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     if token_offset < 0:
         raise ValueError(f"token_offset must be non-negative, got {token_offset}")
+    # Every position but the item's first becomes an int token, which must be a valid id.
+    ints = range(max(token_offset, 1), token_offset + num_tokens)
+    if ints and not (0 <= id_offset + ints[0] and id_offset + ints[-1] <= MAX_TOKEN_ID):
+        raise ValueError(
+            f"id_offset {id_offset} + positions {ints[0]}..{ints[-1]} must stay in the token range 0..{MAX_TOKEN_ID}"
+        )
     return [
         digest if token_offset + i == 0 else id_offset + token_offset + i
         for i in range(num_tokens)

@@ -62,7 +62,7 @@ import numpy as np
 
 import gpukv
 
-from .workload import load_mooncake_trace, synthetic_conversations
+from .workload import TraceError, load_mooncake_trace, synthetic_conversations
 
 POLICIES = ("per-page", "full-blocks")
 ORDERS = ("longest-prefix", "arrival")
@@ -222,12 +222,28 @@ def default_workload(num_conversations: int = 200, seed: int = 0, tokens_per_blo
     return Workload(out, desc)
 
 
-def trace_workload(path, limit: int | None = None, time_scale: float = 1.0) -> Workload:
+MAX_REQUEST_TOKENS = 1 << 20  # input + output of one simulated request
+
+
+def trace_workload(path, limit: int | None = None, time_scale: float = 1.0,
+                   max_request_tokens: int = MAX_REQUEST_TOKENS) -> Workload:
     """The requests of a Mooncake-format trace; each 512-token hash id expands
     to deterministic tokens (``TraceRequest.tokens``). The output tokens are
     deterministic random text per request (a trace does not say what the model
-    answered). ``time_scale`` divides the arrival times (2 = twice the load)."""
+    answered). ``time_scale`` divides the arrival times (2 = twice the load).
+
+    A request longer than ``max_request_tokens`` (input + output) is a
+    ``TraceError`` naming its line: the pool is sized from the longest
+    request, and one decode step per output token must end."""
+    if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time_scale must be a positive finite number, got {time_scale!r}")
     trace = load_mooncake_trace(path, limit=limit)
+    for t in trace:
+        if t.input_length + t.output_length > max_request_tokens:
+            raise TraceError(
+                f"{path}:{t.line}: a request of {t.input_length} + {t.output_length} tokens (input + output) is "
+                f"longer than the simulator takes ({max_request_tokens})"
+            )
     out = []
     for i, t in enumerate(trace):
         def make(t=t, i=i):

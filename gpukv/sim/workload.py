@@ -97,8 +97,13 @@ def load_mooncake_trace(path: str | PathLike, limit: int | None = None,
     out: list[TraceRequest] = []
     if limit == 0:
         return out
-    with open(path, encoding="utf-8") as f:
-        for lineno, text in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded line by line, so a bad byte is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                where = f"byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+                raise TraceError(f"{path}:{lineno}: not valid UTF-8 ({where})") from None
             if not text.strip():
                 continue
             out.append(_parse_line(text, path, lineno, hash_block))
@@ -254,6 +259,11 @@ def synthetic_conversations(
     """
     if num_conversations < 0:
         raise ValueError(f"num_conversations must be >= 0, got {num_conversations}")
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    for name, value in (("duration_s", duration_s), ("think_time_s", think_time_s)):
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if not 1 <= turns[0] <= turns[1]:
         raise ValueError(f"turns must be 1 <= lo <= hi, got {turns}")
     if user_tokens[0] < 2:
