@@ -7,7 +7,9 @@ what eviction could free. The pass is a handful of array operations over the
 page table, on the backend's device; no loop over pages runs in Python. The
 serial kernels then take victims from these lists in order, checking each one
 is still a candidate (the launch itself may have locked, rescheduled or freed
-it), and merge in the pages scheduled during the launch (``kernels/tree.py``).
+it), and merge in the pages scheduled during the launch (``kernels/evict.py``).
+Which pages are candidates at all is the kernels' own ``evictable`` test,
+run as one kernel over the life cycle's rows; this pass orders and counts them.
 """
 
 from __future__ import annotations

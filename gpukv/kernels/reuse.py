@@ -1,13 +1,11 @@
-"""Batched reuse matching: walk, partial match, backoff and pruning (§2.3, §2.4).
+"""One request's reuse match around the walk (§2.3, §2.4).
 
-One request is one item: ``match_one`` walks the child index block by block
-(verifying tokens on every hit), tries the partial match among the children of
-the last matched block, applies the backoff to the raw path and runs the
-coverage-aware pruning fixed point. The ``cpu`` kernel runs requests on worker
-threads, several in flight each (``lanes.py``); the ``cuda`` kernel runs one
-thread per request. Block content hashes can come precomputed (``hash_blocks``,
-parallel over blocks; cached per block by ``TokenSequence``) or be computed
-during the walk, which hashes only the blocks the walk reaches.
+``begin`` finds the scope's root and recalls a registered sequence's memo;
+the lane stepper (``walk.py``) then matches full blocks; ``finish`` does the
+rest: the partial tail block, the partial match among the children of the
+last matched block, the memo, the backoff on the raw path and the
+coverage-aware pruning fixed point. Also here: block content hashing
+(``hash_one``, parallel over blocks) and the compaction of matched rows.
 
 Results per request go to ``res[i, RES_*]``; the matched block rows go to the
 scratch ``path[path_off[i]:...]`` and are compacted into the ragged output by
