@@ -41,16 +41,15 @@ from .kernels.seq import (
     SeqTables,
     build_seq_kernel,
 )
-from .core.config import DEFAULT_PRIORITY, KIND_FULL, KIND_SWA, check_priority
+from .core.config import DEFAULT_PRIORITY, check_priority
+from .core.kinds import NO_DROP, has_window, planned_drop_start
 from .core.layout import (
     NULL,
-    PAGE_COMMITTED,
-    PAGE_HOLDERS,
     PAGE_LEVEL,
-    PAGE_PLANNED_DROPS,
     PAGE_POOL_INDEX,
     PAGE_SERIAL,
-    PAGE_STATE,
+    SLOT_PAGE,
+    slot_row,
 )
 from .tokens import ValidTokens, token_array
 
@@ -292,10 +291,10 @@ class KVCache:
         b = self._backend
         picked = []
         for lc, life in enumerate(mgr.config.life_cycles):
-            if life.kind == KIND_FULL:
-                continue  # later turns may still need full-attention blocks
-            start = min(life.stale_range(N, self._T)[1], E) if life.kind == KIND_SWA else E - 1
-            pages = b.to_host(mgr._tables.slots[b.to_device(blocks[start:] * L + lc), 0])
+            start = planned_drop_start(life.kind, life.stale_range(N, self._T)[1], E)
+            if start == NO_DROP:
+                continue  # later turns may still need these blocks
+            pages = b.to_host(mgr._tables.slots[b.to_device(slot_row(blocks[start:], lc, L)), SLOT_PAGE])
             if (pages == NULL).any():
                 return None
             picked.extend(int(p) for p in pages)
@@ -408,28 +407,20 @@ class PlannedDrop:
     def __init__(self, mgr, pages: list[int]):
         self._mgr = mgr
         self._pages = list(zip(pages, mgr._tables.page_fields(pages, PAGE_SERIAL).tolist()))
-        for p in pages:
-            mgr._tables.pages[p, PAGE_PLANNED_DROPS] += 1
+        mgr._tree.plan_drops(pages)
         self.dropped = False
 
     def drop(self):
         if self.dropped:
             raise RuntimeError("This planned drop has already been dropped")
         self.dropped = True
-        mgr = self._mgr
-        for p, serial in self._pages:  # a handful: the window's blocks and one checkpoint
-            row = np.array(mgr._backend.to_host(mgr._tables.pages[p]))  # a copy, not a view
-            if row[PAGE_SERIAL] != serial or row[PAGE_STATE] != PAGE_COMMITTED:
-                continue  # that page died meanwhile
-            mgr._tables.pages[p, PAGE_PLANNED_DROPS] -= 1
-            if row[PAGE_PLANNED_DROPS] == 1 and row[PAGE_HOLDERS] == 0:
-                mgr._tree.page_death(p)
+        self._mgr._tree.drop_planned(self._pages)
 
 
 def _scratch_width(config) -> int:
     """Scratch slots a life cycle may hold at once: one window of blocks."""
     T = config.tokens_per_block
-    return max([1] + [-(-(lc.window - 1) // T) for lc in config.life_cycles if lc.kind == KIND_SWA])
+    return max([1] + [-(-(lc.window - 1) // T) for lc in config.life_cycles if has_window(lc.kind)])
 
 
 def _int(name, v) -> int:

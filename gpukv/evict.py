@@ -7,22 +7,26 @@ what eviction could free. The pass is a handful of array operations over the
 page table, on the backend's device; no loop over pages runs in Python. The
 serial kernels then take victims from these lists in order, checking each one
 is still a candidate (the launch itself may have locked, rescheduled or freed
-it), and merge in the pages scheduled during the launch (``kernels/tree.py``).
+it), and merge in the pages scheduled during the launch (``kernels/evict.py``).
+Which pages are candidates at all is the kernels' own ``evictable`` test,
+run as one kernel over the life cycle's rows; this pass orders and counts them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .kernels.evict import build_evictable_kernel
 from .kernels.tree import NUM_LEVELS
 from .core.layout import (
-    PAGE_COMMITTED,
+    EC_DROPPABLE,
+    EC_HELD,
+    EC_HOST_DROPPABLE,
+    EVICT_COUNTS,
     PAGE_HOLDERS,
     PAGE_LEVEL,
-    PAGE_LOCKS,
     PAGE_LRU_TICK,
     PAGE_PRIORITY,
-    PAGE_STATE,
 )
 from .tables import Tables
 
@@ -38,6 +42,8 @@ class Evictor:
         self._gpu = np.array(config.pages_per_life_cycle_list(), dtype=np.int64)
         self._host = np.array(config.pages_per_life_cycle_list(host=True), dtype=np.int64)
         self._row_start = np.concatenate([[0], np.cumsum(self._gpu + self._host)[:-1]]).astype(np.int64)
+        self._mask_kernel = build_evictable_kernel(self.backend.target)
+        self._mask = tables.xp.zeros(int((self._gpu + self._host).max(initial=0)), dtype=np.int8)
 
     def prepare(self, need) -> None:
         """Make victim lists for every life cycle whose free GPU slots are fewer
@@ -54,20 +60,22 @@ class Evictor:
         t = self.tables
         xp = t.xp
         start = int(self._row_start[lc])
-        rows = t.pages[start:start + int(self._gpu[lc] + self._host[lc])]
+        n = int(self._gpu[lc] + self._host[lc])
+        rows = t.pages[start:start + n]
         host_tier = self._host[lc] > 0
+        # The candidates are what the kernels' own ``evictable`` says (one
+        # definition); the pass only orders and counts them.
+        self._mask_kernel(t.device, start, n, self._mask)
+        evictable = self._mask[:n].astype(bool)
         level = rows[:, PAGE_LEVEL]
-        holders = rows[:, PAGE_HOLDERS]
-        movable = (rows[:, PAGE_STATE] == PAGE_COMMITTED) & (rows[:, PAGE_LOCKS] == 0)
-        droppable = movable & (holders == 0)
-        held = movable & (holders > 0) & (level == 0) & bool(host_tier)
+        unheld = rows[:, PAGE_HOLDERS] == 0
         key = (rows[:, PAGE_PRIORITY] << 42) + (rows[:, PAGE_LRU_TICK] + TICK_BIAS)
-        gpu = (droppable | held) & (level == 0)
-        host = droppable & (level == 1)
-        counts = np.array(
-            [int(xp.count_nonzero(droppable & (level == 0))), int(xp.count_nonzero(held)), int(xp.count_nonzero(host))],
-            dtype=np.int64,
-        )
+        gpu = evictable & (level == 0)
+        host = evictable & (level == 1)
+        counts = np.zeros(EVICT_COUNTS.width, dtype=np.int64)
+        counts[EC_DROPPABLE] = int(xp.count_nonzero(gpu & unheld))
+        counts[EC_HELD] = int(xp.count_nonzero(gpu & ~unheld))
+        counts[EC_HOST_DROPPABLE] = int(xp.count_nonzero(host))
         t.evict_counts[lc] = self.backend.to_device(counts)
         self._write(lc * NUM_LEVELS, start, rows, xp.nonzero(gpu)[0], key, k)
         if host_tier:

@@ -44,8 +44,10 @@ from .core.layout import (
     PAGE_SERIAL,
     PAGE_STATE,
     PAGES,
+    SLOT_COVERAGE,
     SLOT_PAGE,
     SLOTS,
+    slot_row,
 )
 from .tree import BlockRef
 
@@ -105,7 +107,7 @@ def page_of(mgr, block: BlockRef, life_cycle_id: int):
     r = mgr._tree.resolve(block)
     mgr._tree._check_lc(life_cycle_id)
     L = len(mgr.config.life_cycles)
-    p, c = mgr._backend.to_host(mgr._tables.slots[r * L + life_cycle_id])
+    p, c = mgr._backend.to_host(mgr._tables.slots[slot_row(r, life_cycle_id, L)])
     return None if p == NULL else (int(p), int(c))
 
 
@@ -120,7 +122,7 @@ def reuse_match_pages(mgr, tokens, life_cycle_id, scope=None, enable_partial=Fal
     slots = mgr._backend.to_host(mgr._tables.slots)
     pages = []
     for r in m.blocks(0):
-        p, c = slots[int(r) * L + life_cycle_id]
+        p, c = slots[slot_row(int(r), life_cycle_id, L)]
         pages.append(None if p == NULL else (int(p), int(c)))
     return int(m.num_tokens[0]), pages
 
@@ -223,7 +225,7 @@ def check_sanity(mgr):
         if raw[r, BLK_FLAGS] & FLAG_ROOT:
             continue
         for lc in range(L):
-            pg, cov = slots[r * L + lc]
+            pg, cov = slots[slot_row(r, lc, L)]
             if pg == NULL:
                 if cov != 0:
                     fail(6, f"empty slot ({r}, {lc}) has coverage {cov}")
@@ -240,7 +242,7 @@ def check_sanity(mgr):
     for pg in linked:
         r = raw_pages[pg, PAGE_BLOCK]
         lc = raw_pages[pg, PAGE_LIFE_CYCLE]
-        if raw_pages[pg, PAGE_STATE] != PAGE_COMMITTED or slots[r * L + lc]["page"] != pg:
+        if raw_pages[pg, PAGE_STATE] != PAGE_COMMITTED or slots[slot_row(r, lc, L)]["page"] != pg:
             fail(7, f"page {pg} points at ({r}, {lc}) but that slot does not hold it")
         if raw_pages[pg, PAGE_COVERAGE] < 1:
             fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
@@ -289,7 +291,7 @@ def _check_monotone_coverage(mgr, slots, raw, in_use, L):
             continue
         key = int64x4_to_digest(raw[r, BLK_DIGEST:BLK_DIGEST + 4])
         for lc in range(L):
-            pg, cov = slots[r * L + lc]
+            pg, cov = slots[slot_row(r, lc, L)]
             if pg == NULL:
                 continue
             serial = int(serials[pg])
@@ -337,7 +339,8 @@ def dump(mgr) -> str:
             shown = [int(x) for x in toks[r, : min(n, 6)]]
             tail = "..." if n > 6 else ""
             pages = " ".join(
-                "-" if slots[r * L + lc, 0] == NULL else f"{slots[r * L + lc, 0]}:{slots[r * L + lc, 1]}"
+                "-" if slots[slot_row(r, lc, L), SLOT_PAGE] == NULL
+                else f"{slots[slot_row(r, lc, L), SLOT_PAGE]}:{slots[slot_row(r, lc, L), SLOT_COVERAGE]}"
                 for lc in range(L)
             )
             key = int64x4_to_digest(raw[r, BLK_DIGEST:BLK_DIGEST + 4]).hex()[:8]

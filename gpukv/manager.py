@@ -13,7 +13,8 @@ import numpy as np
 from .arena import TokenArena, TokenSequence
 from .core.backend import get_backend, quiet_simulator
 from .cache import KVCache, KVCacheStatus, LogicError
-from .core.config import KIND_SWA, CacheConfig
+from .core.config import CacheConfig
+from .core.kinds import has_window
 from .evict import Evictor
 from .core.layout import (
     CNT_DROPPED,
@@ -68,7 +69,7 @@ class KVCacheManager:
         if config.max_kv_event_entries > 0:
             from .events import KVCacheEventManager
 
-            windows = [lc.window if lc.kind == KIND_SWA else 0 for lc in config.life_cycles]
+            windows = [lc.window if has_window(lc.kind) else 0 for lc in config.life_cycles]
             self._events = KVCacheEventManager(
                 config.max_kv_event_entries, config.event_hash, windows, self._tables.digest_of_token,
                 scope_of_root=self._tree.scope_of_root_digest,

@@ -26,6 +26,8 @@ from .kernels.tree import (
     OP_UNLINK_PAGE,
     OP_ANNOUNCE,
     OP_EVICT,
+    OP_PLAN_DROP,
+    OP_DROP_PLANNED,
     build_tree_kernel,
 )
 from .core.layout import (
@@ -283,6 +285,17 @@ class BlockTree:
         if int(self.backend.to_host(pages[page, PAGE_STATE])) != PAGE_COMMITTED:
             raise ValueError(f"page {page} is not a committed page")
         self._op(OP_PAGE_DEATH, (page,))
+
+    def plan_drops(self, pages):
+        """Count a planned drop on each of ``pages`` (§2.9)."""
+        for p in pages:  # a handful: the window's blocks and one checkpoint
+            self._op(OP_PLAN_DROP, (p,))
+
+    def drop_planned(self, pages_and_serials):
+        """Carry out a planned drop on each ``(page, serial)`` still holding that
+        page; a page dies with its last plan when nobody holds it."""
+        for p, serial in pages_and_serials:
+            self._op(OP_DROP_PLANNED, (p, serial))
 
     def page_block(self, page: int) -> int:
         return int(self.backend.to_host(self.tables.pages[page, PAGE_BLOCK]))

@@ -15,10 +15,8 @@ import numpy as np
 
 from .backend import BACKENDS
 
-# Life-cycle kinds as the kernels see them.
-KIND_FULL = 0  # full attention: every block up to the endpoint must be covered
-KIND_SWA = 1  # sliding-window attention: only sink and in-window blocks
-KIND_SSM = 2  # recurrent state: the endpoint must be exactly a checkpoint
+from .kinds import KIND_FULL, KIND_SSM, KIND_SWA, has_window, is_checkpoint  # noqa: F401 (KIND_* re-exported)
+
 EVENT_HASHES = ("sha256", "sha256_64")  # block-hash formats of KV cache events
 
 MAX_TOKEN_ID = 2**31 - 1
@@ -88,15 +86,16 @@ class LifeCycle:
 
     @property
     def is_attention(self) -> bool:
-        return self.kind != KIND_SSM
+        return not is_checkpoint(self.kind)
 
     def stale_range(self, history: int, tokens_per_block: int) -> tuple[int, int]:
-        """Blocks ``[start, end)`` an endpoint at ``history`` does not read (§1.5)."""
+        """Blocks ``[start, end)`` an endpoint at ``history`` does not read (§1.5);
+        the host twin of ``kernels/lifecycle.py``."""
         T = tokens_per_block
-        if self.kind == KIND_SSM:
+        if is_checkpoint(self.kind):
             return 0, history // T
         start = min(-(-history // T), self.num_sink_blocks)
-        if self.kind == KIND_FULL:
+        if not has_window(self.kind):
             return start, start
         # The +1: attention runs for at least the token at position `history`,
         # so the live window is [history + 1 - W, history].
@@ -202,7 +201,7 @@ class CacheConfig:
     @property
     def ssm_life_cycle_id(self) -> int | None:
         for i, lc in enumerate(self.life_cycles):
-            if lc.kind == KIND_SSM:
+            if is_checkpoint(lc.kind):
                 return i
         return None
 

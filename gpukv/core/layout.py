@@ -5,6 +5,15 @@ and one column per field (CuPy has no structured dtypes). Kernels index columns
 with the constants declared here (``BLK_PARENT``, ``PAGE_COVERAGE``...); the
 host views the same memory as a NumPy structured array with named fields
 (``introspect.tables``). Outside this module no code uses bare column numbers.
+
+The kernels' argument blocks (what ``args`` and ``out`` of a launch hold, per
+operation) and the small per-launch records (late list, eviction counts,
+sequence scalars, match results, walk lanes) are layouts too. Each field gets
+a plain-assignment constant (``BLK_PARENT = 1``) so grep and IDEs find it;
+``_check_columns`` fails at import when one disagrees with its layout.
+
+Longer than the other modules on purpose: it is nothing but declarations, and
+one place for all of them is the point.
 """
 
 from __future__ import annotations
@@ -155,6 +164,164 @@ ERR_COPIES_FULL = 4
 ERR_NO_PAGE = 5  # an allocation the all-or-nothing check had promised found no page
 
 
+
+# Manager-wide switches the kernels read (DeviceTables.policy).
+POLICY = Layout(
+    "policy",
+    np.int64,
+    [
+        ("commit_min_snapshot", 1),
+        ("scratch_rewind", 1),  # swa_scratch_reuse.max_rewind_len, -1 when off
+    ],
+)
+
+# Page data copies a launch decided on, carried out by the host in order
+# (DeviceTables.copies): storage addresses, so a migration is a copy too.
+COPIES = Layout(
+    "copies",
+    np.int64,
+    [("life_cycle", 1), ("src_level", 1), ("src_index", 1), ("dst_level", 1), ("dst_index", 1)],
+)
+
+# Pages scheduled during a launch (DeviceTables.late): the eviction
+# controller's candidates the batched pass before the launch could not list.
+LATE = Layout("late", np.int64, [("page", 1), ("tick", 1)])
+
+# What eviction could free per life cycle, counted by the batched pass
+# (DeviceTables.evict_counts, one row per life cycle).
+EVICT_COUNTS = Layout(
+    "evict_counts",
+    np.int64,
+    [
+        ("droppable", 1),  # unheld GPU pages
+        ("held", 1),  # held GPU pages that could migrate to the host tier
+        ("host_droppable", 1),  # unheld host pages
+    ],
+)
+
+# The scalars of one sequence (SeqTables.scalars).
+SEQ_SCALARS = Layout(
+    "seq_scalars",
+    np.int64,
+    [
+        ("num_blocks", 1),  # len(_blocks) = ceil(capacity / T)
+        ("committed", 1),  # num_committed_tokens
+        ("committed_blocks", 1),
+        ("history", 1),
+        ("capacity", 1),
+        ("commit_state", 1),  # ALLOWED, VIRTUAL_STOP or USER_STOP
+        ("status", 1),  # SUSPENDED, ACTIVE or CLOSED
+        ("never_resumed", 1),
+        ("ssm_page", 1),  # the live (or reused) SSM page; NULL for none
+        ("ssm_kind", 1),  # how the sequence refers to it (HOLD or LOCK)
+        ("scope_id", 1),
+        ("scope_key", 1),
+        ("result", 1),  # 1 = done, 0 = refused (out of pages)
+        ("virtual_stopped", 1),
+        ("evict_first", 1),  # pages released now go to the head of their LRU (close(evict_first=True))
+    ],
+)
+# How a sequence refers to a page (SeqTables.kinds); negative while a release is pending.
+HOLD = 1
+LOCK = 2
+SCRATCH = 3  # an SWA scratch block: no page of its own (the page column stays NULL)
+# Sequence statuses (SEQ_SCALARS.status) and commit states (.commit_state).
+SUSPENDED = 0
+ACTIVE = 1
+CLOSED = 2
+ALLOWED = 0
+VIRTUAL_STOP = 1
+USER_STOP = 2
+
+# One request's result row of a batched match (MatchBatch.res).
+MATCH_RESULT = Layout(
+    "match_result",
+    np.int64,
+    [
+        ("num_tokens", 1),
+        ("num_lookup_tokens", 1),
+        ("before_pruning", 1),
+        ("before_hybrid_pruning", 1),
+        ("num_blocks", 1),
+    ],
+)
+
+# One lane of the cpu walk: a request in flight (kernels/walk.py).
+LANE = Layout(
+    "lane",
+    np.int64,
+    [
+        ("request", 1),  # the request; -1 when the lane is idle
+        ("block", 1),  # the block being looked up (its ordinal in the request)
+        ("num_full", 1),  # full blocks of the request
+        ("node", 1),  # the last matched row (the parent of ``block``)
+        ("key", 1),  # ``block``'s chain key
+        ("key_ahead", 1),  # the next block's key, asked for one round ahead
+        ("row", 1),  # the bucket chain row to test next; HEAD_PENDING before the head was read
+        ("count", 1),  # blocks matched so far
+    ],
+)
+HEAD_PENDING = -2
+
+# Argument blocks of the serial tree kernel (``args``: int64[TREE_ARGS_WIDTH]),
+# one layout per operation, and what it writes back (``out``).
+TREE_ARGS_WIDTH = 8
+ADD_ARGS = Layout(
+    "add_args",
+    np.int64,
+    [
+        ("scope_id", 1),
+        ("scope_key", 1),
+        ("parent", 1),  # NULL: the scope's root, created if missing
+        ("num_tokens", 1),
+        ("root_digest", 4),
+    ],
+)
+INSERT_ARGS = Layout(
+    "insert_args",
+    np.int64,
+    [
+        ("scope_id", 1),
+        ("scope_key", 1),
+        ("num_tokens", 1),  # the sequence's tokens (``toks``)
+        ("unused", 1),  # the root digest sits where OP_ADD has it
+        ("root_digest", 4),
+    ],
+)
+ADD_PAGE_ARGS = Layout(
+    "add_page_args", np.int64, [("block", 1), ("life_cycle", 1), ("coverage", 1), ("priority", 1)]
+)
+UNLINK_ARGS = Layout("unlink_args", np.int64, [("block", 1), ("life_cycle", 1), ("expected", 1)])
+PAGE_ARGS = Layout("page_args", np.int64, [("page", 1)])  # OP_PAGE_DEATH, OP_PLAN_DROP
+DROP_ARGS = Layout("drop_args", np.int64, [("page", 1), ("serial", 1)])  # OP_DROP_PLANNED: the page as planned
+BLOCK_ARGS = Layout("block_args", np.int64, [("block", 1), ("life_cycle", 1)])  # OP_REMOVE_SUBTREE, OP_CLEAR_STALE, OP_RELEASE_REF
+ANNOUNCE_ARGS = Layout("announce_args", np.int64, [("block", 1), ("kind", 1), ("life_cycle", 1)])
+EVICT_ARGS = Layout("evict_args", np.int64, [("life_cycle", 1), ("level", 1), ("need", 1)])
+TREE_OUT = Layout(
+    "tree_out",
+    np.int64,
+    [
+        ("block", 1),  # the block added or got; OP_ADD_PAGE: the page; OP_EVICT: 1 when there is room
+        ("is_new", 1),  # 1 when that block was created
+        ("root", 1),  # OP_ADD: the scope's root
+        ("inserted", 1),  # OP_INSERT: blocks inserted
+    ],
+)
+
+# Argument blocks of the serial sequence kernel (SeqTables.args: int64[SEQ_ARGS_WIDTH]).
+SEQ_ARGS_WIDTH = 4
+SETUP_ARGS = Layout("setup_args", np.int64, [("num_tokens", 1), ("num_blocks", 1)])  # blocks in SeqTables.path
+RESIZE_ARGS = Layout("resize_args", np.int64, [("capacity", 1), ("history", 1)])
+COMMIT_ARGS = Layout("commit_args", np.int64, [("first", 1), ("count", 1), ("is_end", 1)])
+CLOSE_ARGS = Layout("close_args", np.int64, [("evict_first", 1)])
+
+
+def slot_row(block, life_cycle, num_life_cycles):
+    """The ``slots`` row of (block, life cycle); blocks may be an array (host)
+    or a row number (kernels, where it is compiled as a helper)."""
+    return block * num_life_cycles + life_cycle
+
+
 # Column constants, one per field: plain assignments so grep and IDEs find
 # them; _check_columns below fails at import if one is missing or wrong.
 
@@ -219,23 +386,115 @@ CNT_DROPPED = 11
 CNT_LATE_LEN = 12
 CNT_EVICT_FIRST = 13
 
-BLK_WIDTH = BLOCKS.width
-PAGE_WIDTH = PAGES.width
-LOG_WIDTH = LOG.width
-
-# Manager-wide switches the kernels read (DeviceTables.policy).
 POLICY_COMMIT_MIN_SNAPSHOT = 0
-POLICY_SCRATCH_REWIND = 1  # swa_scratch_reuse.max_rewind_len, -1 when off
-POLICY_WIDTH = 2
+POLICY_SCRATCH_REWIND = 1
 
-# Page data copies a launch decided on, carried out by the host in order
-# (DeviceTables.copies): storage addresses, so a migration is a copy too.
 COPY_LIFE_CYCLE = 0
 COPY_SRC_LEVEL = 1
 COPY_SRC_INDEX = 2
 COPY_DST_LEVEL = 3
 COPY_DST_INDEX = 4
-COPY_WIDTH = 5
+
+LATE_PAGE = 0
+LATE_TICK = 1
+
+EC_DROPPABLE = 0
+EC_HELD = 1
+EC_HOST_DROPPABLE = 2
+
+Q_NUM_BLOCKS = 0
+Q_COMMITTED = 1
+Q_COMMITTED_BLOCKS = 2
+Q_HISTORY = 3
+Q_CAPACITY = 4
+Q_COMMIT_STATE = 5
+Q_STATUS = 6
+Q_NEVER_RESUMED = 7
+Q_SSM_PAGE = 8
+Q_SSM_KIND = 9
+Q_SCOPE_ID = 10
+Q_SCOPE_KEY = 11
+Q_RESULT = 12
+Q_VIRTUAL_STOPPED = 13
+Q_EVICT_FIRST = 14
+
+RES_NUM_TOKENS = 0
+RES_NUM_LOOKUP_TOKENS = 1
+RES_BEFORE_PRUNING = 2
+RES_BEFORE_HYBRID_PRUNING = 3
+RES_NUM_BLOCKS = 4
+
+LN_REQUEST = 0
+LN_BLOCK = 1
+LN_NUM_FULL = 2
+LN_NODE = 3
+LN_KEY = 4
+LN_KEY_AHEAD = 5
+LN_ROW = 6
+LN_COUNT = 7
+
+ADD_SCOPE_ID = 0
+ADD_SCOPE_KEY = 1
+ADD_PARENT = 2
+ADD_NUM_TOKENS = 3
+ADD_ROOT_DIGEST = 4
+
+INSERT_SCOPE_ID = 0
+INSERT_SCOPE_KEY = 1
+INSERT_NUM_TOKENS = 2
+INSERT_UNUSED = 3
+INSERT_ROOT_DIGEST = 4
+
+ADD_PAGE_BLOCK = 0
+ADD_PAGE_LIFE_CYCLE = 1
+ADD_PAGE_COVERAGE = 2
+ADD_PAGE_PRIORITY = 3
+
+UNLINK_BLOCK = 0
+UNLINK_LIFE_CYCLE = 1
+UNLINK_EXPECTED = 2
+
+PAGE_ARG_PAGE = 0
+
+DROP_PAGE = 0
+DROP_SERIAL = 1
+
+BLOCK_ARG_BLOCK = 0
+BLOCK_ARG_LIFE_CYCLE = 1
+
+ANNOUNCE_BLOCK = 0
+ANNOUNCE_KIND = 1
+ANNOUNCE_LIFE_CYCLE = 2
+
+EVICT_LIFE_CYCLE = 0
+EVICT_LEVEL = 1
+EVICT_NEED = 2
+
+OUT_BLOCK = 0
+OUT_IS_NEW = 1
+OUT_ROOT = 2
+OUT_INSERTED = 3
+
+SETUP_NUM_TOKENS = 0
+SETUP_NUM_BLOCKS = 1
+
+RESIZE_CAPACITY = 0
+RESIZE_HISTORY = 1
+
+COMMIT_FIRST = 0
+COMMIT_COUNT = 1
+COMMIT_IS_END = 2
+
+CLOSE_EVICT_FIRST = 0
+
+BLK_WIDTH = BLOCKS.width
+PAGE_WIDTH = PAGES.width
+LOG_WIDTH = LOG.width
+POLICY_WIDTH = POLICY.width
+COPY_WIDTH = COPIES.width
+Q_WIDTH = SEQ_SCALARS.width
+RES_WIDTH = MATCH_RESULT.width
+LN_WIDTH = LANE.width
 
 
 def _check_columns(layout: Layout, prefix: str):
@@ -246,5 +505,14 @@ def _check_columns(layout: Layout, prefix: str):
             raise AssertionError(f"layout {layout.name}: {name} must be {layout.columns[field]}")
 
 
-for _layout, _prefix in ((BLOCKS, "BLK"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (LOG, "LOG"), (COUNTERS, "CNT")):
+for _layout, _prefix in (
+    (BLOCKS, "BLK"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (LOG, "LOG"), (COUNTERS, "CNT"), (POLICY, "POLICY"),
+    (COPIES, "COPY"), (LATE, "LATE"), (EVICT_COUNTS, "EC"), (SEQ_SCALARS, "Q"), (MATCH_RESULT, "RES"),
+    (LANE, "LN"), (ADD_ARGS, "ADD"), (INSERT_ARGS, "INSERT"), (ADD_PAGE_ARGS, "ADD_PAGE"), (UNLINK_ARGS, "UNLINK"),
+    (PAGE_ARGS, "PAGE_ARG"), (DROP_ARGS, "DROP"), (BLOCK_ARGS, "BLOCK_ARG"), (ANNOUNCE_ARGS, "ANNOUNCE"), (EVICT_ARGS, "EVICT"),
+    (TREE_OUT, "OUT"), (SETUP_ARGS, "SETUP"), (RESIZE_ARGS, "RESIZE"), (COMMIT_ARGS, "COMMIT"), (CLOSE_ARGS, "CLOSE"),
+):
     _check_columns(_layout, _prefix)
+assert ADD_ARGS.width <= TREE_ARGS_WIDTH and INSERT_ARGS.width <= TREE_ARGS_WIDTH
+assert max(a.width for a in (SETUP_ARGS, RESIZE_ARGS, COMMIT_ARGS, CLOSE_ARGS)) <= SEQ_ARGS_WIDTH
+assert INSERT_ROOT_DIGEST == ADD_ROOT_DIGEST

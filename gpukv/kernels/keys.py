@@ -14,9 +14,10 @@ in events.
 from __future__ import annotations
 
 import hashlib
-from types import SimpleNamespace
 
 import numpy as np
+
+from .link import helper, jit_group
 
 M1 = np.uint64(0x9E3779B97F4A7C15)
 M2 = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -32,67 +33,74 @@ L2 = np.uint64(0x13198A2E03707344)
 L3 = np.uint64(0xA4093822299F31D0)
 
 
+@helper
+def fmix64(h):
+    h ^= h >> S33
+    h *= F1
+    h ^= h >> S33
+    h *= F2
+    h ^= h >> S33
+    return h
+
+
+@helper
+def pair(tokens, k):
+    """Tokens ``k`` and ``k+1`` as one 64-bit word."""
+    return (np.uint64(tokens[k]) & LOW32) | ((np.uint64(tokens[k + 1]) & LOW32) << S32)
+
+
+@helper
+def mix_in(h, w):
+    h = (h ^ w) * M2
+    return (h << S27) | (h >> S37)
+
+
+@helper
+def content_hash(tokens, start, n):
+    """Hash of ``tokens[start:start+n]`` (its length included), as uint64.
+
+    Four independent lanes take two tokens each per step, so the CPU
+    overlaps their multiplies instead of waiting on one serial chain; the
+    tail goes into lane 0 and the lanes are folded at the end."""
+    h0 = np.uint64(n) * M1
+    h1 = h0 ^ L1
+    h2 = h0 ^ L2
+    h3 = h0 ^ L3
+    # A slice indexed from 0: Numba adds no wraparound check for negative
+    # indices (a check per token, and a loop the compiler cannot unroll).
+    t = tokens[start:start + n]
+    i = 0
+    while i + 8 <= n:
+        h0 = mix_in(h0, pair(t, i))
+        h1 = mix_in(h1, pair(t, i + 2))
+        h2 = mix_in(h2, pair(t, i + 4))
+        h3 = mix_in(h3, pair(t, i + 6))
+        i += 8
+    while i + 2 <= n:
+        h0 = mix_in(h0, pair(t, i))
+        i += 2
+    if i < n:
+        h0 = mix_in(h0, np.uint64(t[i]) & LOW32)
+    return fmix64(((h0 * M1 + h1) * M1 + h2) * M1 + h3)
+
+
+@helper
+def combine(parent_key, content):
+    """Child key from the parent's key (int64 as stored) and a content hash."""
+    return np.int64(fmix64((np.uint64(parent_key) * M1) ^ content))
+
+
+@helper
+def sibling_hash(parent, first_token):
+    """Bucket hash of (parent row, first token): the children that can share
+    a prefix with a chunk are exactly those starting with its first token."""
+    h = ((np.uint64(parent) * M1) ^ (np.uint64(first_token) & LOW32)) * M2
+    return h ^ (h >> S32)
+
+
 def build_keys(jit):
-    @jit
-    def fmix64(h):
-        h ^= h >> S33
-        h *= F1
-        h ^= h >> S33
-        h *= F2
-        h ^= h >> S33
-        return h
-
-    @jit
-    def pair(tokens, k):
-        """Tokens ``k`` and ``k+1`` as one 64-bit word."""
-        return (np.uint64(tokens[k]) & LOW32) | ((np.uint64(tokens[k + 1]) & LOW32) << S32)
-
-    @jit
-    def mix_in(h, w):
-        h = (h ^ w) * M2
-        return (h << S27) | (h >> S37)
-
-    @jit
-    def content_hash(tokens, start, n):
-        """Hash of ``tokens[start:start+n]`` (its length included), as uint64.
-
-        Four independent lanes take two tokens each per step, so the CPU
-        overlaps their multiplies instead of waiting on one serial chain; the
-        tail goes into lane 0 and the lanes are folded at the end."""
-        h0 = np.uint64(n) * M1
-        h1 = h0 ^ L1
-        h2 = h0 ^ L2
-        h3 = h0 ^ L3
-        # A slice indexed from 0: Numba adds no wraparound check for negative
-        # indices (a check per token, and a loop the compiler cannot unroll).
-        t = tokens[start:start + n]
-        i = 0
-        while i + 8 <= n:
-            h0 = mix_in(h0, pair(t, i))
-            h1 = mix_in(h1, pair(t, i + 2))
-            h2 = mix_in(h2, pair(t, i + 4))
-            h3 = mix_in(h3, pair(t, i + 6))
-            i += 8
-        while i + 2 <= n:
-            h0 = mix_in(h0, pair(t, i))
-            i += 2
-        if i < n:
-            h0 = mix_in(h0, np.uint64(t[i]) & LOW32)
-        return fmix64(((h0 * M1 + h1) * M1 + h2) * M1 + h3)
-
-    @jit
-    def combine(parent_key, content):
-        """Child key from the parent's key (int64 as stored) and a content hash."""
-        return np.int64(fmix64((np.uint64(parent_key) * M1) ^ content))
-
-    @jit
-    def sibling_hash(parent, first_token):
-        """Bucket hash of (parent row, first token): the children that can share
-        a prefix with a chunk are exactly those starting with its first token."""
-        h = ((np.uint64(parent) * M1) ^ (np.uint64(first_token) & LOW32)) * M2
-        return h ^ (h >> S32)
-
-    return SimpleNamespace(fmix64=fmix64, content_hash=content_hash, combine=combine, sibling_hash=sibling_hash)
+    """The key helpers compiled with ``jit`` (``backend.device_jit(target)``)."""
+    return jit_group(jit, [fmix64, pair, mix_in, content_hash, combine, sibling_hash])
 
 
 def sibling_hash_np(parents: np.ndarray, first_tokens: np.ndarray) -> np.ndarray:

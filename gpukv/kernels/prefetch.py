@@ -12,22 +12,11 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+from .link import helper
+
 
 @functools.lru_cache(maxsize=None)
-def build_prefetch(target: str) -> SimpleNamespace:
-    if target == "cuda":
-        from numba import cuda
-
-        @cuda.jit(device=True)
-        def prefetch1(arr, i):
-            pass
-
-        @cuda.jit(device=True)
-        def prefetch2(arr, i, j):
-            pass
-
-        return SimpleNamespace(prefetch1=prefetch1, prefetch2=prefetch2)
-
+def _cpu_intrinsics() -> SimpleNamespace:
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
@@ -62,3 +51,20 @@ def build_prefetch(target: str) -> SimpleNamespace:
         return types.void(arr, i, j), codegen
 
     return SimpleNamespace(prefetch1=prefetch1, prefetch2=prefetch2)
+
+
+@helper(cpu=lambda: _cpu_intrinsics().prefetch1)
+def prefetch1(arr, i):
+    """Ask for the cache line of ``arr[i]``; on ``cuda`` nothing."""
+
+
+@helper(cpu=lambda: _cpu_intrinsics().prefetch2)
+def prefetch2(arr, i, j):
+    """Ask for the cache line of ``arr[i, j]``; on ``cuda`` nothing."""
+
+
+def build_prefetch(target: str) -> SimpleNamespace:
+    from .link import link
+
+    k = link(target)
+    return SimpleNamespace(prefetch1=k.prefetch1, prefetch2=k.prefetch2)

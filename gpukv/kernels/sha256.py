@@ -25,11 +25,11 @@ memory order (little-endian host), which fits the int64 device tables.
 from __future__ import annotations
 
 import functools
-import types
 
 import numpy as np
 
-from ..core.backend import bind_globals, device_jit
+from ..core.backend import bind_globals
+from .link import helper, jit_group, link
 
 __all__ = [
     "SHA256_WORK_WORDS",
@@ -64,142 +64,143 @@ _K = np.array(
 )
 
 
+@helper
+def rotr(x, n):
+    # x < 2**32; the low n bits move to the top without a 64-bit overflow.
+    return (x >> n) | ((x & ((1 << n) - 1)) << (32 - n))
+
+
+@helper
+def bswap32(x):
+    return (
+        ((x & 0xFF) << 24) | ((x & 0xFF00) << 8) | ((x >> 8) & 0xFF00) | ((x >> 24) & 0xFF)
+    )
+
+
+@helper
+def compress(work):
+    """Fold the 16 message words in ``work[8:24]`` into the state ``work[0:8]``.
+
+    The schedule overwrites the message words in place: W[t] only needs
+    W[t-2], W[t-7], W[t-15] and W[t-16], all within the last 16.
+    """
+    a = np.int64(work[0])
+    b = np.int64(work[1])
+    c = np.int64(work[2])
+    d = np.int64(work[3])
+    e = np.int64(work[4])
+    f = np.int64(work[5])
+    g = np.int64(work[6])
+    h = np.int64(work[7])
+    for t in range(64):
+        if t < 16:
+            w = np.int64(work[_MSG + t])
+        else:
+            w15 = np.int64(work[_MSG + ((t - 15) & 15)])
+            w2 = np.int64(work[_MSG + ((t - 2) & 15)])
+            s0 = rotr(w15, 7) ^ rotr(w15, 18) ^ (w15 >> 3)
+            s1 = rotr(w2, 17) ^ rotr(w2, 19) ^ (w2 >> 10)
+            w = (
+                np.int64(work[_MSG + (t & 15)]) + s0 + np.int64(work[_MSG + ((t - 7) & 15)]) + s1
+            ) & M32
+            work[_MSG + (t & 15)] = w
+        big_s1 = rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)
+        ch = (e & f) ^ ((e ^ M32) & g)
+        t1 = (h + big_s1 + ch + _K[t] + w) & M32
+        big_s0 = rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)
+        maj = (a & b) ^ (a & c) ^ (b & c)
+        t2 = (big_s0 + maj) & M32
+        h = g
+        g = f
+        f = e
+        e = (d + t1) & M32
+        d = c
+        c = b
+        b = a
+        a = (t1 + t2) & M32
+    work[0] = (np.int64(work[0]) + a) & M32
+    work[1] = (np.int64(work[1]) + b) & M32
+    work[2] = (np.int64(work[2]) + c) & M32
+    work[3] = (np.int64(work[3]) + d) & M32
+    work[4] = (np.int64(work[4]) + e) & M32
+    work[5] = (np.int64(work[5]) + f) & M32
+    work[6] = (np.int64(work[6]) + g) & M32
+    work[7] = (np.int64(work[7]) + h) & M32
+
+
+@helper
+def message_words(tokens, n):
+    """Words in the unpadded message: 8 for the parent, 1 per int token, 8 per digest."""
+    nwords = 8
+    for i in range(n):
+        nwords += 1 if tokens[i] >= 0 else 8
+    return nwords
+
+
+@helper
+def chain_digest(parent_digest, tokens, n, mm_digests, out, work):
+    """``out`` = SHA256(parent digest || enc(tokens[0:n])) as int64[4].
+
+    A token ``t >= 0`` is 4 little-endian bytes; ``t < 0`` stands for the
+    32 bytes of ``mm_digests[-t - 1]``. ``work`` holds ``SHA256_WORK_WORDS``
+    uint32 words of scratch.
+    """
+    for j in range(8):
+        work[_STATE + j] = _H0[j]
+    nwords = message_words(tokens, n)
+    # Padding: the 0x80 byte (a whole word, as the message is word aligned),
+    # zeros, and the bit length as a big-endian u64 in the last two words.
+    total = (nwords + 3 + 15) // 16 * 16
+    nbits = np.int64(nwords) * 32
+    # One loop produces every message word, so compress() has a single call
+    # site (it is inlined; five sites made compiling five times slower).
+    i = 0  # current token
+    j = 0  # next word of the current multimodal digest
+    for k in range(total):
+        if k < 8:
+            # int64 word k>>1 holds digest bytes 8(k>>1)..; its low half comes first.
+            w = bswap32((np.int64(parent_digest[k >> 1]) >> (32 * (k & 1))) & M32)
+        elif k < nwords:
+            t = np.int64(tokens[i])
+            if t >= 0:
+                w = bswap32(t)
+                i += 1
+            else:
+                r = -t - 1
+                w = (
+                    (np.int64(mm_digests[r, 4 * j]) << 24)
+                    | (np.int64(mm_digests[r, 4 * j + 1]) << 16)
+                    | (np.int64(mm_digests[r, 4 * j + 2]) << 8)
+                    | np.int64(mm_digests[r, 4 * j + 3])
+                )
+                j += 1
+                if j == 8:
+                    j = 0
+                    i += 1
+        elif k == nwords:
+            w = np.int64(0x80000000)
+        elif k == total - 2:
+            w = (nbits >> 32) & M32
+        elif k == total - 1:
+            w = nbits & M32
+        else:
+            w = np.int64(0)
+        work[_MSG + (k & 15)] = w
+        if (k & 15) == 15:
+            compress(work)
+    # State words are big-endian digest words; out[k] packs digest bytes
+    # 8k..8k+7 little-endian, i.e. two byte-swapped words, low first.
+    for k in range(4):
+        lo = bswap32(np.int64(work[_STATE + 2 * k]))
+        hi = bswap32(np.int64(work[_STATE + 2 * k + 1]))
+        if hi >= 0x80000000:
+            hi -= 0x100000000  # reinterpret as signed so the int64 store cannot overflow
+        out[k] = (hi << 32) | lo
+
+
 def build_sha256(jit):
     """The SHA-256 helpers compiled with ``jit`` (``backend.device_jit(target)``)."""
-
-    @jit
-    def rotr(x, n):
-        # x < 2**32; the low n bits move to the top without a 64-bit overflow.
-        return (x >> n) | ((x & ((1 << n) - 1)) << (32 - n))
-
-    @jit
-    def bswap32(x):
-        return (
-            ((x & 0xFF) << 24) | ((x & 0xFF00) << 8) | ((x >> 8) & 0xFF00) | ((x >> 24) & 0xFF)
-        )
-
-    @jit
-    def compress(work):
-        """Fold the 16 message words in ``work[8:24]`` into the state ``work[0:8]``.
-
-        The schedule overwrites the message words in place: W[t] only needs
-        W[t-2], W[t-7], W[t-15] and W[t-16], all within the last 16.
-        """
-        a = np.int64(work[0])
-        b = np.int64(work[1])
-        c = np.int64(work[2])
-        d = np.int64(work[3])
-        e = np.int64(work[4])
-        f = np.int64(work[5])
-        g = np.int64(work[6])
-        h = np.int64(work[7])
-        for t in range(64):
-            if t < 16:
-                w = np.int64(work[_MSG + t])
-            else:
-                w15 = np.int64(work[_MSG + ((t - 15) & 15)])
-                w2 = np.int64(work[_MSG + ((t - 2) & 15)])
-                s0 = rotr(w15, 7) ^ rotr(w15, 18) ^ (w15 >> 3)
-                s1 = rotr(w2, 17) ^ rotr(w2, 19) ^ (w2 >> 10)
-                w = (
-                    np.int64(work[_MSG + (t & 15)]) + s0 + np.int64(work[_MSG + ((t - 7) & 15)]) + s1
-                ) & M32
-                work[_MSG + (t & 15)] = w
-            big_s1 = rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)
-            ch = (e & f) ^ ((e ^ M32) & g)
-            t1 = (h + big_s1 + ch + _K[t] + w) & M32
-            big_s0 = rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)
-            maj = (a & b) ^ (a & c) ^ (b & c)
-            t2 = (big_s0 + maj) & M32
-            h = g
-            g = f
-            f = e
-            e = (d + t1) & M32
-            d = c
-            c = b
-            b = a
-            a = (t1 + t2) & M32
-        work[0] = (np.int64(work[0]) + a) & M32
-        work[1] = (np.int64(work[1]) + b) & M32
-        work[2] = (np.int64(work[2]) + c) & M32
-        work[3] = (np.int64(work[3]) + d) & M32
-        work[4] = (np.int64(work[4]) + e) & M32
-        work[5] = (np.int64(work[5]) + f) & M32
-        work[6] = (np.int64(work[6]) + g) & M32
-        work[7] = (np.int64(work[7]) + h) & M32
-
-    @jit
-    def message_words(tokens, n):
-        """Words in the unpadded message: 8 for the parent, 1 per int token, 8 per digest."""
-        nwords = 8
-        for i in range(n):
-            nwords += 1 if tokens[i] >= 0 else 8
-        return nwords
-
-    @jit
-    def chain_digest(parent_digest, tokens, n, mm_digests, out, work):
-        """``out`` = SHA256(parent digest || enc(tokens[0:n])) as int64[4].
-
-        A token ``t >= 0`` is 4 little-endian bytes; ``t < 0`` stands for the
-        32 bytes of ``mm_digests[-t - 1]``. ``work`` holds ``SHA256_WORK_WORDS``
-        uint32 words of scratch.
-        """
-        for j in range(8):
-            work[_STATE + j] = _H0[j]
-        nwords = message_words(tokens, n)
-        # Padding: the 0x80 byte (a whole word, as the message is word aligned),
-        # zeros, and the bit length as a big-endian u64 in the last two words.
-        total = (nwords + 3 + 15) // 16 * 16
-        nbits = np.int64(nwords) * 32
-        # One loop produces every message word, so compress() has a single call
-        # site (it is inlined; five sites made compiling five times slower).
-        i = 0  # current token
-        j = 0  # next word of the current multimodal digest
-        for k in range(total):
-            if k < 8:
-                # int64 word k>>1 holds digest bytes 8(k>>1)..; its low half comes first.
-                w = bswap32((np.int64(parent_digest[k >> 1]) >> (32 * (k & 1))) & M32)
-            elif k < nwords:
-                t = np.int64(tokens[i])
-                if t >= 0:
-                    w = bswap32(t)
-                    i += 1
-                else:
-                    r = -t - 1
-                    w = (
-                        (np.int64(mm_digests[r, 4 * j]) << 24)
-                        | (np.int64(mm_digests[r, 4 * j + 1]) << 16)
-                        | (np.int64(mm_digests[r, 4 * j + 2]) << 8)
-                        | np.int64(mm_digests[r, 4 * j + 3])
-                    )
-                    j += 1
-                    if j == 8:
-                        j = 0
-                        i += 1
-            elif k == nwords:
-                w = np.int64(0x80000000)
-            elif k == total - 2:
-                w = (nbits >> 32) & M32
-            elif k == total - 1:
-                w = nbits & M32
-            else:
-                w = np.int64(0)
-            work[_MSG + (k & 15)] = w
-            if (k & 15) == 15:
-                compress(work)
-        # State words are big-endian digest words; out[k] packs digest bytes
-        # 8k..8k+7 little-endian, i.e. two byte-swapped words, low first.
-        for k in range(4):
-            lo = bswap32(np.int64(work[_STATE + 2 * k]))
-            hi = bswap32(np.int64(work[_STATE + 2 * k + 1]))
-            if hi >= 0x80000000:
-                hi -= 0x100000000  # reinterpret as signed so the int64 store cannot overflow
-            out[k] = (hi << 32) | lo
-
-    return types.SimpleNamespace(
-        rotr=rotr, bswap32=bswap32, compress=compress, message_words=message_words,
-        chain_digest=chain_digest,
-    )
+    return jit_group(jit, [rotr, bswap32, compress, message_words, chain_digest])
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,8 +213,7 @@ def build_sha256_kernel(target: str):
     lengths above T are clamped to T. Arrays live where ``target`` computes
     (NumPy for ``cpu`` and the simulator, CuPy or device arrays for ``cuda``).
     """
-    sha = build_sha256(device_jit(target))
-    chain_digest = sha.chain_digest
+    chain_digest = link(target).chain_digest
 
     if target == "cpu":
         from numba import njit, prange

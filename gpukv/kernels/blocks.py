@@ -1,0 +1,345 @@
+"""The tree proper: blocks and their lifetime (semantics.md §2.1, §2.2, §2.7).
+
+Creating blocks (``add_or_get`` with its duplicate, useless-partial and
+adoption rules; roots), detaching them, removing subtrees, the cleanup after a
+page of a block dies (what it removes is the life-cycle kind's rule,
+``core/kinds.py``), and clearing the tree. Rows come from the free list the
+host keeps stocked, so nothing here grows a table. The order of steps is what
+makes these correct ("insert before detaching the covered sibling", "unlink
+before the old page leaves the eviction controller"), so they run serially.
+"""
+
+from __future__ import annotations
+
+from ..core.kinds import death_removes_subtree
+from ..core.layout import (
+    BLK_DIGEST,
+    BLK_FIRST_CHILD,
+    BLK_FIRST_NEXT,
+    BLK_FLAGS,
+    BLK_KEY,
+    BLK_LAST_CHILD,
+    BLK_NEXT_SIBLING,
+    BLK_NUM_CHILDREN,
+    BLK_NUM_TOKENS,
+    BLK_ORDINAL,
+    BLK_PARENT,
+    BLK_PREV_SIBLING,
+    BLK_REFS,
+    BLK_SCOPE,
+    BLK_SERIAL,
+    BLK_WIDTH,
+    CNT_BLOCK_FREE_TOP,
+    CNT_DETACHES,
+    CNT_ERROR,
+    CNT_LIVE_BLOCKS,
+    CNT_SERIAL,
+    ERR_NON_FULL_PARENT,
+    ERR_OUT_OF_BLOCKS,
+    EV_CREATED,
+    EV_REMOVED,
+    EV_REMOVED_LIFE_CYCLE,
+    EV_ROOT_REMOVED,
+    FLAG_ATTACHED,
+    FLAG_IN_USE,
+    FLAG_ROOT,
+    NULL,
+    OUT_BLOCK,
+    OUT_IS_NEW,
+    PAGE_BLOCK,
+    PAGE_COVERAGE,
+    PAGE_LIFE_CYCLE,
+)
+from .link import helper
+from .index import (
+    find_child,
+    find_root,
+    index_insert,
+    index_remove,
+    is_attached,
+    is_root,
+    sibling_bucket_of,
+    tokens_equal,
+)
+from .keys import combine, content_hash
+from .log import log
+from .pages import can_replace_page, free_page, is_droppable, page_of, replace_page, set_slot, unlink_page
+from .sha256 import chain_digest
+
+
+@helper
+def alloc_block(S):
+    top = S.counters[CNT_BLOCK_FREE_TOP]
+    if top == 0:
+        S.counters[CNT_ERROR] = ERR_OUT_OF_BLOCKS
+        return NULL
+    r = S.block_free[top - 1]
+    S.counters[CNT_BLOCK_FREE_TOP] = top - 1
+    S.counters[CNT_LIVE_BLOCKS] += 1
+    for c in range(BLK_WIDTH):
+        S.blocks[r, c] = NULL
+    S.blocks[r, BLK_NUM_CHILDREN] = 0
+    S.blocks[r, BLK_NUM_TOKENS] = 0
+    S.blocks[r, BLK_FLAGS] = FLAG_IN_USE
+    S.blocks[r, BLK_REFS] = 0
+    S.blocks[r, BLK_SERIAL] = S.counters[CNT_SERIAL]
+    S.counters[CNT_SERIAL] += 1
+    L = S.lc_kind.shape[0]
+    for lc in range(L):
+        set_slot(S, r, lc, NULL, 0)
+    return r
+
+
+@helper
+def free_block_row(S, r):
+    S.blocks[r, BLK_FLAGS] = 0
+    top = S.counters[CNT_BLOCK_FREE_TOP]
+    S.block_free[top] = r
+    S.counters[CNT_BLOCK_FREE_TOP] = top + 1
+    S.counters[CNT_LIVE_BLOCKS] -= 1
+
+
+@helper
+def append_child(S, parent, r):
+    last = S.blocks[parent, BLK_LAST_CHILD]
+    S.blocks[r, BLK_PREV_SIBLING] = last
+    S.blocks[r, BLK_NEXT_SIBLING] = NULL
+    if last == NULL:
+        S.blocks[parent, BLK_FIRST_CHILD] = r
+    else:
+        S.blocks[last, BLK_NEXT_SIBLING] = r
+    S.blocks[parent, BLK_LAST_CHILD] = r
+    S.blocks[parent, BLK_NUM_CHILDREN] += 1
+
+
+@helper
+def remove_child(S, parent, r):
+    prv = S.blocks[r, BLK_PREV_SIBLING]
+    nxt = S.blocks[r, BLK_NEXT_SIBLING]
+    if prv == NULL:
+        S.blocks[parent, BLK_FIRST_CHILD] = nxt
+    else:
+        S.blocks[prv, BLK_NEXT_SIBLING] = nxt
+    if nxt == NULL:
+        S.blocks[parent, BLK_LAST_CHILD] = prv
+    else:
+        S.blocks[nxt, BLK_PREV_SIBLING] = prv
+    S.blocks[r, BLK_PREV_SIBLING] = NULL
+    S.blocks[r, BLK_NEXT_SIBLING] = NULL
+    S.blocks[parent, BLK_NUM_CHILDREN] -= 1
+
+
+@helper(inline=False)
+def release_block_pages(S, r):
+    """A block row is destroyed: unlink its pages; unowned ones die (§2.1).
+
+    They are unlinked first, so their death runs no tree cleanup."""
+    for lc in range(S.lc_kind.shape[0]):
+        p = unlink_page(S, r, lc, NULL)
+        if p != NULL and is_droppable(S, p):
+            free_page(S, p)
+
+
+@helper
+def maybe_free_orphan(S, r):
+    """An orphan's row lives while sequences refer to it."""
+    if not is_attached(S, r) and S.blocks[r, BLK_REFS] == 0:
+        release_block_pages(S, r)
+        free_block_row(S, r)
+
+
+@helper(inline=False)
+def detach(S, r):
+    """Take an attached block out of its parent; a root left childless goes too.
+
+    The row is freed at once unless a sequence still refers to it; then it
+    lives on as an orphan until that reference is released."""
+    if not is_attached(S, r):
+        return
+    parent = S.blocks[r, BLK_PARENT]
+    remove_child(S, parent, r)
+    index_remove(S, r)
+    S.blocks[r, BLK_PARENT] = NULL
+    S.blocks[r, BLK_FLAGS] &= ~FLAG_ATTACHED
+    S.counters[CNT_DETACHES] += 1
+    log(S, EV_REMOVED, r, NULL)
+    if is_root(S, parent) and S.blocks[parent, BLK_NUM_CHILDREN] == 0:
+        index_remove(S, parent)
+        log(S, EV_ROOT_REMOVED, parent, NULL)
+        free_block_row(S, parent)
+    maybe_free_orphan(S, r)
+
+
+@helper(inline=False)
+def remove_subtree(S, b):
+    """Detach ``b`` and all its descendants, leaves first (post order)."""
+    if not is_attached(S, b):
+        return
+    cur = b
+    while True:
+        child = S.blocks[cur, BLK_FIRST_CHILD]
+        if child != NULL:
+            cur = child
+            continue
+        parent = S.blocks[cur, BLK_PARENT]
+        detach(S, cur)
+        if cur == b:
+            return
+        cur = parent
+
+
+@helper(inline=False)
+def clear_stale_blocks_after_page_unlink(S, start, lc):
+    """Tree cleanup after a page of ``start`` died (§2.7)."""
+    if death_removes_subtree(S.lc_kind[lc], S.blocks[start, BLK_ORDINAL], S.lc_sinks[lc]):
+        # Nothing below can be reused any more (full attention, a sink block).
+        remove_subtree(S, start)
+    elif is_attached(S, start):
+        log(S, EV_REMOVED_LIFE_CYCLE, start, lc)
+    # Tail pruning: detach childless blocks whose slots are all empty.
+    # (All slots, not just lc's: an in-flight hybrid sequence may still
+    # use this block through another life cycle.)
+    cur = start
+    L = S.lc_kind.shape[0]
+    while cur != NULL and is_attached(S, cur) and not is_root(S, cur):
+        if S.blocks[cur, BLK_NUM_CHILDREN] != 0:
+            return
+        for l2 in range(L):
+            if page_of(S, cur, l2) != NULL:
+                return
+        parent = S.blocks[cur, BLK_PARENT]
+        detach(S, cur)
+        cur = parent
+
+
+@helper(inline=False)
+def page_death(S, p):
+    """A committed page lost its last owner: unlink it, clean up, free it."""
+    r = S.pages[p, PAGE_BLOCK]
+    lc = S.pages[p, PAGE_LIFE_CYCLE]
+    linked = r != NULL and unlink_page(S, r, lc, p) != NULL
+    free_page(S, p)
+    if linked:
+        clear_stale_blocks_after_page_unlink(S, r, lc)
+
+
+@helper(inline=False)
+def clear_tree(S):
+    """Remove every root's subtree, roots in creation order (idempotent;
+    roots go with their last child)."""
+    while True:
+        r = NULL
+        for c in range(S.blocks.shape[0]):  # the oldest remaining root
+            if (S.blocks[c, BLK_FLAGS] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE):
+                if r == NULL or S.blocks[c, BLK_SERIAL] < S.blocks[r, BLK_SERIAL]:
+                    r = c
+        if r == NULL:
+            return
+        while (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0 and S.blocks[r, BLK_FIRST_CHILD] != NULL:
+            remove_subtree(S, S.blocks[r, BLK_FIRST_CHILD])
+        if (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0:
+            # a root that never got a child
+            index_remove(S, r)
+            free_block_row(S, r)
+
+
+@helper(inline=False)
+def get_or_create_root(S, scope_id, scope_key, scope_digest):
+    r = find_root(S, scope_id, scope_key)
+    if r != NULL:
+        return r
+    r = alloc_block(S)
+    if r == NULL:
+        return NULL
+    S.blocks[r, BLK_KEY] = scope_key
+    S.blocks[r, BLK_SCOPE] = scope_id
+    S.blocks[r, BLK_FLAGS] = FLAG_IN_USE | FLAG_ATTACHED | FLAG_ROOT
+    for w in range(4):
+        S.blocks[r, BLK_DIGEST + w] = scope_digest[w]
+    index_insert(S, r)
+    return r
+
+
+@helper
+def adopt_pages_from(S, r, other):
+    """Move ``other``'s pages into ``r`` where strictly wider (§2.1).
+
+    The source slot is emptied directly, not through unlink: unlinking
+    would null the back-pointer that ``replace_page`` is about to reset."""
+    for lc in range(S.lc_kind.shape[0]):
+        p = page_of(S, other, lc)
+        if p != NULL and can_replace_page(S, r, lc, S.pages[p, PAGE_COVERAGE]):
+            set_slot(S, other, lc, NULL, 0)
+            replace_page(S, r, lc, p)
+
+
+@helper(inline=False)
+def add_or_get(S, parent, toks, start, n, out):
+    """Create the child of ``parent`` holding ``toks[start:start+n]``, or get
+    the block that already serves it. Writes ``out[OUT_BLOCK]`` and ``out[OUT_IS_NEW]``.
+
+    Rules (§2.2): an exact duplicate is returned; a partial chunk that a
+    sibling already covers is "useless" and that sibling (first in
+    insertion order) is returned; otherwise a new block is inserted, and a
+    shorter sibling it covers is adopted (its pages move, keeping their
+    coverage) and then detached."""
+    T = S.tokens.shape[1]
+    out[OUT_BLOCK] = NULL
+    out[OUT_IS_NEW] = 0
+    if not is_root(S, parent) and S.blocks[parent, BLK_NUM_TOKENS] != T:
+        S.counters[CNT_ERROR] = ERR_NON_FULL_PARENT
+        return
+    key = combine(S.blocks[parent, BLK_KEY], content_hash(toks, start, n))
+    r = find_child(S, parent, key, toks, start, n)
+    if r != NULL:
+        out[OUT_BLOCK] = r
+        return
+    # Only siblings starting with the chunk's first token can cover it or
+    # be covered by it; the sibling index lists exactly those.
+    covering = NULL
+    covered = NULL
+    c = S.sibling_buckets[sibling_bucket_of(S, parent, toks[start])]
+    while c != NULL:
+        if S.blocks[c, BLK_PARENT] == parent and S.tokens[c, 0] == toks[start]:
+            m = S.blocks[c, BLK_NUM_TOKENS]
+            if n < T and m >= n and tokens_equal(S, c, toks, start, n):
+                # the useless-partial rule: the first (in insertion order) covering sibling
+                if covering == NULL or S.blocks[c, BLK_SERIAL] < S.blocks[covering, BLK_SERIAL]:
+                    covering = c
+            elif m < n and tokens_equal(S, c, toks, start, m):
+                covered = c  # prefixes of one chunk are nested: at most one exists
+        c = S.blocks[c, BLK_FIRST_NEXT]
+    if covering != NULL:
+        out[OUT_BLOCK] = covering
+        return
+    r = alloc_block(S)
+    if r == NULL:
+        return
+    S.blocks[r, BLK_KEY] = key
+    S.blocks[r, BLK_PARENT] = parent
+    S.blocks[r, BLK_ORDINAL] = S.blocks[parent, BLK_ORDINAL] + 1
+    S.blocks[r, BLK_NUM_TOKENS] = n
+    S.blocks[r, BLK_SCOPE] = S.blocks[parent, BLK_SCOPE]
+    S.blocks[r, BLK_FLAGS] = FLAG_IN_USE | FLAG_ATTACHED
+    for i in range(n):
+        S.tokens[r, i] = toks[start + i]
+    for i in range(n, T):
+        S.tokens[r, i] = 0
+    chain_digest(
+        S.blocks[parent, BLK_DIGEST:BLK_DIGEST + 4],
+        S.tokens[r],
+        n,
+        S.mm_digests,
+        S.blocks[r, BLK_DIGEST:BLK_DIGEST + 4],
+        S.work,
+    )
+    # NOTE insert before detaching the covered sibling: a root whose only
+    # child is that sibling would otherwise be removed in between.
+    append_child(S, parent, r)
+    index_insert(S, r)
+    log(S, EV_CREATED, r, NULL)
+    if covered != NULL:
+        adopt_pages_from(S, r, covered)
+        detach(S, covered)
+    out[OUT_BLOCK] = r
+    out[OUT_IS_NEW] = 1

@@ -1,0 +1,197 @@
+"""Pages, their slots and their storage (semantics.md §1.4, §2.1).
+
+A page is a row of ``pages`` (what slots and sequences refer to) plus a
+storage slot in one of the fixed pools, one pool per (life cycle, cache
+level). Row ``slot_row(block, lc, L)`` of ``slots`` links a block to its page
+of a life cycle, with the page's coverage copied in for matching. Linking and
+unlinking go through ``link_page`` and ``unlink_page`` only; page data copies
+are recorded here and carried out by the host after the launch, in order.
+"""
+
+from __future__ import annotations
+
+from ..core.layout import (
+    CNT_ERROR,
+    CNT_NUM_COPIES,
+    CNT_SERIAL,
+    COPY_DST_INDEX,
+    COPY_DST_LEVEL,
+    COPY_LIFE_CYCLE,
+    COPY_SRC_INDEX,
+    COPY_SRC_LEVEL,
+    ERR_COPIES_FULL,
+    NULL,
+    PAGE_BLOCK,
+    PAGE_COMMITTED,
+    PAGE_COVERAGE,
+    PAGE_FREE,
+    PAGE_HOLDERS,
+    PAGE_LEVEL,
+    PAGE_LIFE_CYCLE,
+    PAGE_LOCKS,
+    PAGE_LRU_TICK,
+    PAGE_PLANNED_DROPS,
+    PAGE_POOL_INDEX,
+    PAGE_PRIORITY,
+    PAGE_SERIAL,
+    PAGE_STATE,
+    SLOT_COVERAGE,
+    SLOT_PAGE,
+    slot_row,
+)
+from .link import helper
+
+
+NUM_LEVELS = 2  # cache levels: 0 = GPU, 1 = host
+
+helper(slot_row)  # core/layout.py's row arithmetic, compiled for kernels too
+
+
+@helper
+def page_of(S, r, lc):
+    return S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_PAGE]
+
+
+@helper
+def coverage(S, r, lc):
+    """``cov(b, lc)``: the coverage of the slot's page, 0 when empty."""
+    return S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_COVERAGE]
+
+
+@helper
+def set_slot(S, r, lc, page, cov):
+    row = slot_row(r, lc, S.lc_kind.shape[0])
+    S.slots[row, SLOT_PAGE] = page
+    S.slots[row, SLOT_COVERAGE] = cov
+
+
+@helper
+def pool_of(lc, level):
+    return lc * NUM_LEVELS + level
+
+
+@helper
+def last_level(S, lc):
+    """The coldest cache level the life cycle has slots at."""
+    return 1 if S.pool_size[pool_of(lc, 1)] > 0 else 0
+
+
+@helper
+def pop_storage(S, lc, level):
+    pool = pool_of(lc, level)
+    top = S.pool_top[pool] - 1
+    S.pool_top[pool] = top
+    return S.page_free[S.pool_start[pool] + top]
+
+
+@helper
+def push_storage(S, lc, level, index):
+    pool = pool_of(lc, level)
+    top = S.pool_top[pool]
+    S.page_free[S.pool_start[pool] + top] = index
+    S.pool_top[pool] = top + 1
+
+
+@helper
+def alloc_page(S, lc, level, priority):
+    """A fresh page with a storage slot at ``level``; NULL when the pool has
+    no free slot (callers make room first, see ``make_room``)."""
+    if S.pool_top[pool_of(lc, level)] == 0:
+        return NULL
+    top = S.row_top[lc] - 1
+    S.row_top[lc] = top
+    p = S.row_free[S.row_start[lc] + top]
+    S.pages[p, PAGE_LEVEL] = level
+    S.pages[p, PAGE_POOL_INDEX] = pop_storage(S, lc, level)
+    S.pages[p, PAGE_BLOCK] = NULL
+    S.pages[p, PAGE_COVERAGE] = 0
+    S.pages[p, PAGE_HOLDERS] = 0
+    S.pages[p, PAGE_LOCKS] = 0
+    S.pages[p, PAGE_PLANNED_DROPS] = 0
+    S.pages[p, PAGE_PRIORITY] = priority
+    S.pages[p, PAGE_STATE] = PAGE_COMMITTED
+    S.pages[p, PAGE_LRU_TICK] = NULL
+    S.pages[p, PAGE_SERIAL] = S.counters[CNT_SERIAL]
+    S.counters[CNT_SERIAL] += 1
+    return p
+
+
+@helper
+def free_page(S, p):
+    lc = S.pages[p, PAGE_LIFE_CYCLE]
+    push_storage(S, lc, S.pages[p, PAGE_LEVEL], S.pages[p, PAGE_POOL_INDEX])
+    top = S.row_top[lc]
+    S.row_free[S.row_start[lc] + top] = p
+    S.row_top[lc] = top + 1
+    S.pages[p, PAGE_STATE] = PAGE_FREE
+    S.pages[p, PAGE_BLOCK] = NULL
+    S.pages[p, PAGE_COVERAGE] = 0
+    S.pages[p, PAGE_LEVEL] = NULL
+    S.pages[p, PAGE_POOL_INDEX] = NULL
+
+
+@helper
+def record_copy(S, lc, src_level, src_index, dst_level, dst_index):
+    """Page data the host copies after the launch, in recording order."""
+    k = S.counters[CNT_NUM_COPIES]
+    if k >= S.copies.shape[0]:
+        S.counters[CNT_ERROR] = ERR_COPIES_FULL
+        return
+    S.copies[k, COPY_LIFE_CYCLE] = lc
+    S.copies[k, COPY_SRC_LEVEL] = src_level
+    S.copies[k, COPY_SRC_INDEX] = src_index
+    S.copies[k, COPY_DST_LEVEL] = dst_level
+    S.copies[k, COPY_DST_INDEX] = dst_index
+    S.counters[CNT_NUM_COPIES] = k + 1
+
+
+@helper
+def copy_page_data(S, src, dst):
+    record_copy(S, S.pages[src, PAGE_LIFE_CYCLE], S.pages[src, PAGE_LEVEL], S.pages[src, PAGE_POOL_INDEX],
+                S.pages[dst, PAGE_LEVEL], S.pages[dst, PAGE_POOL_INDEX])
+
+
+@helper
+def is_droppable(S, p):
+    """Nobody holds the page: only the eviction controller keeps it alive."""
+    return S.pages[p, PAGE_HOLDERS] == 0 and S.pages[p, PAGE_LOCKS] == 0
+
+
+@helper
+def can_replace_page(S, r, lc, cov):
+    """Empty, or the incumbent is strictly narrower (ties keep the incumbent)."""
+    return coverage(S, r, lc) < cov
+
+
+@helper
+def unlink_page(S, r, lc, expected):
+    """Sever a block-page link: the single place that does (§2.1).
+
+    With ``expected != NULL`` nothing happens unless the slot still holds
+    that page (it may have been replaced by a wider one meanwhile)."""
+    p = page_of(S, r, lc)
+    if p == NULL or (expected != NULL and p != expected):
+        return NULL
+    S.pages[p, PAGE_BLOCK] = NULL
+    set_slot(S, r, lc, NULL, 0)
+    return p
+
+
+@helper
+def link_page(S, r, lc, p):
+    S.pages[p, PAGE_BLOCK] = r
+    set_slot(S, r, lc, p, S.pages[p, PAGE_COVERAGE])
+
+
+@helper
+def replace_page(S, r, lc, p):
+    """Put ``p`` in the slot; the caller checked ``can_replace_page``.
+
+    NOTE the order: the old page is unlinked *before* it leaves the
+    eviction controller. Leaving may kill it, and a page that dies while
+    still linked runs the tree cleanup on this very block (for full
+    attention: removing the block's whole subtree)."""
+    old = unlink_page(S, r, lc, NULL)
+    if old != NULL and is_droppable(S, old):
+        free_page(S, old)  # unscheduled and unowned: it dies, already unlinked
+    link_page(S, r, lc, p)

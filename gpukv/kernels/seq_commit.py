@@ -1,0 +1,283 @@
+"""Commits of a sequence into the tree (semantics.md §2.5).
+
+New blocks take the sequence's pages (installed only when strictly wider
+than what the block adopted); full blocks that exist already rebase, never
+onto a narrower tree page; a covered partial tail ends in VIRTUAL_STOP. Under
+``commit_min_snapshot`` a partial tail is snapshotted by copying pages into
+the tree, and checkpoint kinds' state is copied (moved on ``is_end``).
+"""
+
+from __future__ import annotations
+
+from ..core.kinds import is_checkpoint
+from ..core.layout import (
+    ALLOWED,
+    BLK_NUM_TOKENS,
+    BLK_ORDINAL,
+    EV_STORED_BLOCK,
+    EV_STORED_LIFE_CYCLE,
+    LOCK,
+    NULL,
+    OUT_BLOCK,
+    OUT_IS_NEW,
+    PAGE_HOLDERS,
+    PAGE_LOCKS,
+    PAGE_STATE,
+    PAGE_UNCOMMITTED,
+    POLICY_COMMIT_MIN_SNAPSHOT,
+    Q_CAPACITY,
+    Q_COMMITTED,
+    Q_COMMITTED_BLOCKS,
+    Q_COMMIT_STATE,
+    Q_HISTORY,
+    Q_NUM_BLOCKS,
+    Q_SCOPE_ID,
+    Q_SCOPE_KEY,
+    Q_SSM_KIND,
+    Q_SSM_PAGE,
+    Q_VIRTUAL_STOPPED,
+    USER_STOP,
+    VIRTUAL_STOP,
+)
+from .link import helper
+from .blocks import add_or_get, adopt_pages_from, get_or_create_root
+from .evict import install_page, make_room, schedule
+from .index import is_attached
+from .lifecycle import is_stale, stale_end, stale_start
+from .log import announce
+from .pages import alloc_page, can_replace_page, copy_page_data, coverage, page_of, replace_page
+from .seq_hold import commit_page, drop_entry, hold, ref_block, release, set_entry, set_tree, to_gpu, unref_block
+from .seq_resize import resize
+
+
+@helper
+def on_stop_committing(S, Q):
+    """Release held pages of uncommitted stale blocks kept only for committing."""
+    L = S.lc_kind.shape[0]
+    h = Q.scalars[Q_HISTORY]
+    for lc in range(L):
+        if is_checkpoint(S.lc_kind[lc]):
+            continue
+        lo = max(stale_start(S, lc, h), Q.scalars[Q_COMMITTED_BLOCKS])
+        hi = min(stale_end(S, lc, h), Q.scalars[Q_NUM_BLOCKS])
+        for o in range(lo, hi):
+            drop_entry(S, Q, o, lc)
+
+
+@helper(inline=False)
+def tree_parent(S, Q, o, out):
+    """The tree parent of ordinal ``o``: the scope's root or committed block
+    ``o - 1``. A committed ancestor chain that was detached meanwhile is
+    re-attached first (as newer reference versions do), so a new block
+    never lands under an orphan."""
+    root = get_or_create_root(S, Q.scalars[Q_SCOPE_ID], Q.scalars[Q_SCOPE_KEY], Q.scope_digest)
+    if o == 0:
+        return root
+    if is_attached(S, Q.tree[o - 1]):
+        return Q.tree[o - 1]
+    k = o - 1  # find the first detached ancestor
+    while k > 0 and not is_attached(S, Q.tree[k - 1]):
+        k -= 1
+    parent = root if k == 0 else Q.tree[k - 1]
+    T = S.tokens.shape[1]
+    while k < o:
+        tb = Q.tree[k]
+        add_or_get(S, parent, S.tokens[tb], 0, T, out)
+        nb = out[OUT_BLOCK]
+        if nb != tb:
+            adopt_pages_from(S, nb, tb)
+            set_tree(S, Q, k, nb)
+            if out[OUT_IS_NEW] == 1:
+                announce(S, nb, EV_STORED_BLOCK, NULL)
+        parent = nb
+        k += 1
+    return parent
+
+
+@helper(inline=False)
+def copy_page_to_tree(S, Q, tb, lc, src, cov):
+    """§2.5.2: a copy of ``src`` with coverage ``cov`` into ``tb``'s slot when
+    strictly wider, on the GPU or else on the host tier; when no level has
+    room, even by eviction, the snapshot is skipped and the older, narrower
+    one stays (the replacement follows the copy). True when copied."""
+    if not can_replace_page(S, tb, lc, cov):
+        return False
+    level = 0
+    if not make_room(S, lc, 0, 1):
+        level = 1
+        if not make_room(S, lc, 1, 1):
+            return False
+    p = alloc_page(S, lc, level, Q.priority[S.blocks[tb, BLK_ORDINAL], lc])
+    copy_page_data(S, src, p)
+    return install_page(S, tb, lc, p, cov)
+
+
+@helper(inline=False)
+def snapshot_ssm(S, Q, tb, n_total, move):
+    """§2.5.3: checkpoint the live SSM state at ``n_total`` tokens on ``tb``."""
+    T = S.tokens.shape[1]
+    L = S.lc_kind.shape[0]
+    for lc in range(L):
+        if not is_checkpoint(S.lc_kind[lc]):
+            continue
+        c = n_total - S.blocks[tb, BLK_ORDINAL] * T
+        if coverage(S, tb, lc) >= c:
+            return  # an equal or later checkpoint is there already
+        live = Q.scalars[Q_SSM_PAGE]
+        if move:  # is_end: hand the live state itself over
+            Q.scalars[Q_SSM_PAGE] = NULL
+            kind = Q.scalars[Q_SSM_KIND]
+            Q.scalars[Q_SSM_KIND] = 0
+            S.pages[live, PAGE_HOLDERS] -= 1
+            if kind == LOCK:
+                S.pages[live, PAGE_LOCKS] -= 1
+            commit_page(S, live, c)
+            replace_page(S, tb, lc, live)
+            schedule(S, live)
+        else:
+            copy_page_to_tree(S, Q, tb, lc, live, c)
+
+
+@helper(inline=False)
+def commit_block(S, Q, o, last, ssm, move_ssm, out):
+    """§2.5.1."""
+    T = S.tokens.shape[1]
+    L = S.lc_kind.shape[0]
+    n = min(T, Q.scalars[Q_COMMITTED] - o * T)
+    full = n == T
+    parent = tree_parent(S, Q, o, out)
+    add_or_get(S, parent, Q.tokens, o * T, n, out)
+    tb = out[OUT_BLOCK]
+    is_new = out[OUT_IS_NEW] == 1
+    ref_block(S, tb)  # pinned for this call, even if it becomes an orphan
+    did = False
+    if is_new:
+        for lc in range(L):
+            p = Q.pages[o, lc]
+            if is_checkpoint(S.lc_kind[lc]) or p == NULL or S.pages[p, PAGE_STATE] != PAGE_UNCOMMITTED:
+                continue
+            commit_page(S, p, n)
+            replace_page(S, tb, lc, p)  # replaces any narrower page tb adopted
+        announce(S, tb, EV_STORED_BLOCK, NULL)
+        did = True
+    elif S.blocks[tb, BLK_NUM_TOKENS] == T and full:  # rebase
+        for lc in range(L):
+            p = Q.pages[o, lc]
+            if is_checkpoint(S.lc_kind[lc]) or p == NULL:
+                continue
+            e = page_of(S, tb, lc)
+            if e != NULL and coverage(S, tb, lc) < n:
+                e = NULL  # never adopt a tree page narrower than the block
+            if e == NULL:
+                commit_page(S, p, n)
+                replace_page(S, tb, lc, p)
+                announce(S, tb, EV_STORED_LIFE_CYCLE, lc)
+            else:
+                kind = Q.kinds[o, lc]
+                hold(S, e, kind)
+                set_entry(Q, o, lc, e, kind)
+                release(S, Q, p, kind)  # our own uncommitted page (its GPU slot is free now)
+                if kind == LOCK:
+                    to_gpu(S, e)
+        did = True
+    else:
+        Q.scalars[Q_COMMIT_STATE] = VIRTUAL_STOP  # our partial tail is covered already
+        Q.scalars[Q_VIRTUAL_STOPPED] = 1
+    if did:
+        set_tree(S, Q, o, tb)
+        Q.scalars[Q_COMMITTED_BLOCKS] += 1
+        if ssm:
+            snapshot_ssm(S, Q, tb, o * T + n, move_ssm)
+        h = Q.scalars[Q_HISTORY]
+        for lc in range(L):
+            if not is_checkpoint(S.lc_kind[lc]) and is_stale(S, lc, h, o):
+                drop_entry(S, Q, o, lc)  # the tree keeps the page, now evictable
+    unref_block(S, tb)
+    if last or Q.scalars[Q_COMMIT_STATE] == VIRTUAL_STOP:
+        Q.scalars[Q_COMMIT_STATE] = USER_STOP
+        on_stop_committing(S, Q)
+
+
+@helper(inline=False)
+def snapshot_partial(S, Q, o, ssm, out):
+    """§2.5.2: copies of the partial block's pages go into the tree (an exact
+    partial block, a longer covering sibling, or a new one); the sequence's
+    block stays uncommitted."""
+    T = S.tokens.shape[1]
+    L = S.lc_kind.shape[0]
+    n = Q.scalars[Q_COMMITTED] - o * T
+    parent = tree_parent(S, Q, o, out)
+    add_or_get(S, parent, Q.tokens, o * T, n, out)
+    tb = out[OUT_BLOCK]
+    is_new = out[OUT_IS_NEW] == 1
+    ref_block(S, tb)
+    for lc in range(L):
+        p = Q.pages[o, lc]
+        Q.counts[lc] = 0
+        if not is_checkpoint(S.lc_kind[lc]) and p != NULL and coverage(S, tb, lc) < n:
+            if copy_page_to_tree(S, Q, tb, lc, p, n):
+                Q.counts[lc] = 1  # attached
+    if ssm:
+        snapshot_ssm(S, Q, tb, o * T + n, False)
+    if not is_attached(S, tb):
+        pass  # making room for a copy evicted the block's own subtree: nothing to announce
+    elif is_new:
+        announce(S, tb, EV_STORED_BLOCK, NULL)
+    else:
+        for lc in range(L):
+            if Q.counts[lc] == 1:
+                announce(S, tb, EV_STORED_LIFE_CYCLE, lc)
+    unref_block(S, tb)
+
+
+@helper(inline=False)
+def stop_committing(S, Q, out):
+    T = S.tokens.shape[1]
+    state = Q.scalars[Q_COMMIT_STATE]
+    if state == USER_STOP:
+        return
+    if state == VIRTUAL_STOP:
+        Q.scalars[Q_COMMIT_STATE] = USER_STOP
+        return
+    if Q.scalars[Q_COMMITTED] > Q.scalars[Q_COMMITTED_BLOCKS] * T:
+        commit_block(S, Q, Q.scalars[Q_COMMITTED_BLOCKS], True, False, False, out)  # no SSM snapshot here
+    else:
+        Q.scalars[Q_COMMIT_STATE] = USER_STOP
+        on_stop_committing(S, Q)
+
+
+@helper(inline=False)
+def commit(S, Q, n0, k, is_end, out):
+    """§2.5 ``commit``: the host already validated, raised the history and
+    appended the tokens to ``Q.tokens``."""
+    T = S.tokens.shape[1]
+    L = S.lc_kind.shape[0]
+    has_ssm = False
+    for lc in range(L):
+        if is_checkpoint(S.lc_kind[lc]):
+            has_ssm = True
+    n1 = n0 + k
+    if Q.scalars[Q_HISTORY] < n1:  # raising the history never allocates
+        resize(S, Q, Q.scalars[Q_CAPACITY], n1)
+    Q.scalars[Q_COMMITTED] = n1
+    if Q.scalars[Q_COMMIT_STATE] == VIRTUAL_STOP:
+        if is_end:
+            Q.scalars[Q_COMMIT_STATE] = USER_STOP
+        return
+    min_snapshot = S.policy[POLICY_COMMIT_MIN_SNAPSHOT] == 1
+    f0 = Q.scalars[Q_COMMITTED_BLOCKS]
+    f1 = n1 // T
+    partial = min_snapshot and n1 % T != 0
+    if f1 > f0 or partial:
+        snap = (n1 - 1) // T
+        for o in range(f0, f1):
+            commit_block(S, Q, o, False, min_snapshot and has_ssm and o == snap, is_end, out)
+            if Q.scalars[Q_COMMIT_STATE] != ALLOWED:
+                break
+        if partial and Q.scalars[Q_COMMIT_STATE] == ALLOWED:
+            if is_end:
+                commit_block(S, Q, f1, True, has_ssm, has_ssm, out)
+            else:
+                snapshot_partial(S, Q, f1, has_ssm, out)
+    if is_end and Q.scalars[Q_COMMIT_STATE] != USER_STOP:
+        stop_committing(S, Q, out)
