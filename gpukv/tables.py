@@ -37,7 +37,6 @@ from .core.layout import (
     CNT_BLOCK_FREE_TOP,
     CNT_LOG_LEN,
     CNT_LOG_TOKENS_LEN,
-    CNT_NUM_COPIES,
     COPY_WIDTH,
     COUNTERS,
     FLAG_ATTACHED,
@@ -234,8 +233,11 @@ class Tables:
         block_free[extra:extra + free] = self.block_free[:free]
         self.blocks, self.tokens, self.slots, self.block_free = blocks, tokens, slots, block_free
         self.counters[CNT_BLOCK_FREE_TOP] = free + extra
-        # The log is drained after every operation, so it is empty here.
-        self.log = xp.empty((_log_rows(new, self.num_pages), LOG.width), dtype=np.int64)
+        # Records a launch left that are not consumed yet move along.
+        log = xp.empty((_log_rows(new, self.num_pages), LOG.width), dtype=np.int64)
+        n = int(self.counters_host()[CNT_LOG_LEN])
+        log[:n] = self.log[:n]
+        self.log = log
         self._rebuild_index(_pow2_at_least(2 * new))
 
     def _rebuild_index(self, num_buckets: int):
@@ -303,32 +305,24 @@ class Tables:
 
     # -- the change log ----------------------------------------------------------
     def ensure_log_tokens(self, blocks: int):
-        """Room for the tokens of ``blocks`` announced blocks in one launch."""
+        """Room for the tokens of ``blocks`` announced blocks in one launch
+        (keeping the rows of records not consumed yet)."""
         have = self.log_tokens.shape[0]
         if have < blocks:
-            self.log_tokens = self.xp.zeros((max(blocks, 2 * have), self.log_tokens.shape[1]), dtype=np.int32)
+            grown = self.xp.zeros((max(blocks, 2 * have), self.log_tokens.shape[1]), dtype=np.int32)
+            k = int(self.counters_host()[CNT_LOG_TOKENS_LEN])
+            grown[:k] = self.log_tokens[:k]
+            self.log_tokens = grown
 
-    def drain_log(self, counters: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The log records since the last drain and the announced tokens (host
-        arrays), then empty both."""
-        n = int(counters[CNT_LOG_LEN])
-        k = int(counters[CNT_LOG_TOKENS_LEN])
-        if n == 0:
-            return np.zeros((0, LOG.width), dtype=np.int64), np.zeros((0, self.log_tokens.shape[1]), dtype=np.int32)
+    def read_log(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``n`` log records and ``k`` announced token rows, as host
+        copies; the log keeps them until the launcher resets its counters."""
         records = np.array(self.backend.to_host(self.log[:n]))
-        tokens = np.array(self.backend.to_host(self.log_tokens[:k]))
-        self.counters[CNT_LOG_LEN] = 0
-        self.counters[CNT_LOG_TOKENS_LEN] = 0
-        return records, tokens
+        return records, np.array(self.backend.to_host(self.log_tokens[:k]))
 
-    def drain_copies(self, counters: np.ndarray) -> np.ndarray:
-        """The page data copies the last launch recorded, in order."""
-        n = int(counters[CNT_NUM_COPIES])
-        if n == 0:
-            return np.zeros((0, COPY_WIDTH), dtype=np.int64)
-        copies = np.array(self.backend.to_host(self.copies[:n]))
-        self.counters[CNT_NUM_COPIES] = 0
-        return copies
+    def read_copies(self, n: int) -> np.ndarray:
+        """The first ``n`` recorded page data copies, as a host copy."""
+        return np.array(self.backend.to_host(self.copies[:n]))
 
 
 def _log_rows(block_rows: int, pages: int) -> int:

@@ -33,8 +33,6 @@ from .core.layout import (
     BLK_SCOPE,
     BLK_FLAGS,
     BLK_NUM_TOKENS,
-    CNT_ERROR,
-    ERR_NONE,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
@@ -45,12 +43,9 @@ from .core.layout import (
 )
 from .core.config import DEFAULT_PRIORITY, check_priority
 from .core.scope import ReuseScope, as_scope
+from .launcher import Launcher, TreeError  # noqa: F401 (TreeError: raised for the tree's launches)
 from .tables import Tables
 from .tokens import token_array
-
-
-class TreeError(RuntimeError):
-    """A tree kernel stopped on a condition the host should have prevented."""
 
 
 @dataclass(frozen=True)
@@ -64,73 +59,76 @@ class BlockRef:
     key: bytes
 
 
+@dataclass(frozen=True, eq=False)
+class _Scope:
+    """A registered reuse scope: what its root needs, computed once."""
+
+    scope: ReuseScope
+    key: int  # the root's fast chain key
+    digest: np.ndarray  # the root's SHA-256 digest as int64x4
+
+
 class BlockTree:
-    def __init__(self, tables: Tables):
+    """The tree's host side; every launch goes through ``launcher``."""
+
+    def __init__(self, tables: Tables, launcher: Launcher):
         self.tables = tables
         self.backend = tables.backend
-        self._run = build_tree_kernel(self.backend.target)
+        self.launcher = launcher
+        self._kernel = build_tree_kernel(self.backend.target)
         self._scope_ids: dict[ReuseScope, int] = {}
-        self._scopes: list[ReuseScope] = []  # by id
-        self._scope_keys: list[int] = []
-        self._scope_digests: list[np.ndarray] = []
-        self.log_sink: list | None = None  # tests collect the change log here
-        self.event_sink = None  # on_records(records, tokens) of the event manager
-        self.copy_sink = None  # carries out the page data copies of a launch
-        self.evictor = None  # lists eviction victims before a launch that may need room
+        self._scopes: list[_Scope] = []  # by id
+
+    @property
+    def log_sink(self) -> list | None:
+        """A list that collects every change-log record (tests)."""
+        return self.launcher.log_sink
+
+    @log_sink.setter
+    def log_sink(self, sink: list | None):
+        self.launcher.log_sink = sink
 
     # -- scopes -------------------------------------------------------------------
     def scope_id(self, scope, create: bool = False) -> int:
-        """The interned id of ``scope``; -1 if it was never used and not created."""
+        """The interned id of ``scope``; -1 if it was never used and not created.
+
+        Registration is one append of a complete record, then the lookup
+        entry: an exception between the two leaves an unused record behind,
+        never a registry whose parts disagree."""
         scope = as_scope(scope)
         sid = self._scope_ids.get(scope)
         if sid is None and create:
-            sid = len(self._scope_keys)
             raw = scope.to_bytes()
-            self._scope_keys.append(root_key64(raw))
-            self._scope_digests.append(digest_to_int64x4(hashlib.sha256(raw).digest()))
+            entry = _Scope(scope, root_key64(raw), digest_to_int64x4(hashlib.sha256(raw).digest()))
+            self._scopes.append(entry)
+            sid = len(self._scopes) - 1  # calls do not overlap (launcher.CallGuard)
             self._scope_ids[scope] = sid
-            self._scopes.append(scope)
         return -1 if sid is None else sid
 
     def scope_key(self, sid: int) -> int:
-        return self._scope_keys[sid]
+        return self._scopes[sid].key
 
     def scope_of(self, sid: int) -> ReuseScope:
-        return self._scopes[sid]
+        return self._scopes[sid].scope
 
     def scope_digest(self, sid: int) -> bytes:
-        return int64x4_to_digest(self._scope_digests[sid])
+        return int64x4_to_digest(self._scopes[sid].digest)
+
+    @property
+    def _scope_digests(self) -> list[np.ndarray]:
+        return [entry.digest for entry in self._scopes]
 
     # -- kernel launch --------------------------------------------------------------
     def _op(self, op: int, args=(), toks=None, need=None) -> np.ndarray:
         """One tree kernel launch; ``need[lc]`` bounds the GPU pages it allocates."""
         b = self.backend
-        if need is not None and self.evictor is not None:
-            self.evictor.prepare(need)
         a = np.zeros(8, dtype=np.int64)
         a[: len(args)] = args
         t = np.zeros(max(1, self.tables.tokens_per_block), dtype=np.int32) if toks is None else toks
         out = np.full(4, NULL, dtype=np.int64)
         d_a, d_t, d_out = b.to_device(a), b.to_device(t), b.to_device(out)
-        self._run(self.tables.device, op, d_a, d_t, d_out)
-        self.after_kernel()
+        self.launcher.launch(self._kernel, op, d_a, d_t, d_out, need=need)
         return b.to_host(d_out)
-
-    def after_kernel(self):
-        """After any kernel that may change the tree: drain the change log and
-        surface an error the kernel had to stop on."""
-        counters = self.tables.counters_host()
-        err = int(counters[CNT_ERROR])
-        copies = self.tables.drain_copies(counters)
-        if self.copy_sink is not None and len(copies):
-            self.copy_sink(copies)
-        records, tokens = self.tables.drain_log(counters)
-        if self.log_sink is not None:
-            self.log_sink.extend(records)
-        if self.event_sink is not None and len(records):
-            self.event_sink(records, tokens)
-        if err != ERR_NONE:
-            raise TreeError(f"tree kernel stopped with error code {err}")
 
     # -- reading rows -------------------------------------------------------------
     def row(self, r: int) -> np.ndarray:
@@ -176,7 +174,8 @@ class BlockTree:
         toks = np.zeros(T, dtype=np.int32)
         toks[: arr.size] = arr
         self.tables.ensure_free_blocks(2)
-        out = self._op(OP_ADD, (sid, self._scope_keys[sid], p, arr.size, *self._scope_digests[sid]), toks)
+        entry = self._scopes[sid]
+        out = self._op(OP_ADD, (sid, entry.key, p, arr.size, *entry.digest), toks)
         return self.ref(out[0]), bool(out[1])
 
     def insert(self, tokens, scope=None) -> int:
@@ -190,7 +189,8 @@ class BlockTree:
         sid = self.scope_id(scope, create=True)
         self.tables.ensure_free_blocks(-(-arr.size // T) + 1)
         self.tables.ensure_log_tokens(-(-arr.size // T) + 1)
-        out = self._op(OP_INSERT, (sid, self._scope_keys[sid], arr.size, 0, *self._scope_digests[sid]), arr)
+        entry = self._scopes[sid]
+        out = self._op(OP_INSERT, (sid, entry.key, arr.size, 0, *entry.digest), arr)
         return int(out[3])
 
     def add_page(self, block: BlockRef, lc: int, coverage: int, priority: int = DEFAULT_PRIORITY) -> int:
