@@ -234,7 +234,11 @@ class Launcher:
         if self.pending:
             self.settle()
         if need is not None and self.evictor is not None:
-            self.evictor.prepare(need)
+            try:
+                self.evictor.prepare(need)
+            except BaseException:
+                self.evictor.forget()
+                raise
         self._results = results
         self.pending = True
         call_kernel(kernel, self.tables.device, *args)
