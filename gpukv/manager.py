@@ -163,6 +163,7 @@ class KVCacheManager:
         self._stats = ReuseStats(**{k: v for k, v in stats.__dict__.items() if not k.startswith("ssm_")})
         return stats.ssm_dict()
 
+    @serialized("mgr.page_memory()")
     def page_memory(self, life_cycle_id: int, level: int = 0):
         """The life cycle's page pool at a cache level (0 = GPU, 1 = host) as a
         [pages, page_bytes] uint8 array (None when ``page_bytes`` is 0 or the
