@@ -10,6 +10,7 @@ reusable (``KVCacheManager.match_batch``).
 from .arena import TokenSequence
 from .core.backend import BackendError
 from .cache import KVCache, KVCacheStatus, LogicError
+from .launcher import BusyError
 from .core.config import Attention, CacheConfig, ConfigError, Ssm, SwaScratchReuse
 from .events import (
     KVCacheCreatedData,
@@ -33,6 +34,7 @@ __all__ = [
     "BackendError",
     "BatchMatch",
     "BlockRef",
+    "BusyError",
     "CacheConfig",
     "ConfigError",
     "KVCache",

@@ -9,6 +9,7 @@ copies the kernel recorded and drains the tree's change log.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,7 +43,7 @@ from .kernels.seq import (
     build_seq_kernel,
 )
 from .core.config import DEFAULT_PRIORITY, check_priority
-from .core.kinds import NO_DROP, has_window, planned_drop_start
+from .core.kinds import NO_DROP, has_window, is_checkpoint, planned_drop_start
 from .core.layout import (
     NULL,
     PAGE_LEVEL,
@@ -51,11 +52,25 @@ from .core.layout import (
     SLOT_PAGE,
     slot_row,
 )
+from .launcher import BusyError, Launcher, LogicError, serialized
+from .matching import Matcher
+from .tables import Tables
 from .tokens import ValidTokens, token_array
+from .tree import BlockTree
 
 
-class LogicError(RuntimeError):
-    """A call that is not allowed in the cache's current state."""
+@dataclass(frozen=True, eq=False)
+class CacheContext:
+    """What a manager hands each of its caches: the collaborators a cache
+    works through, named, so a cache never reaches into its manager."""
+
+    manager: object  # the owner: identity checks and introspection only
+    config: object  # the manager's CacheConfig
+    tables: Tables
+    tree: BlockTree
+    matcher: Matcher
+    launcher: Launcher
+    open_caches: set  # the manager's open caches; a cache leaves it when CLOSED
 
 
 class KVCacheStatus(enum.Enum):
@@ -70,18 +85,24 @@ class KVCache:
     Created by ``KVCacheManager.create_kv_cache``; starts SUSPENDED holding the
     reused pages. ``num_committed_tokens <= history_length <= capacity``."""
 
-    def __init__(self, mgr, scope, priority_callback=None):
+    def __init__(self, ctx: CacheContext, scope, priority_callback=None):
         if priority_callback is not None and not callable(priority_callback):
             raise TypeError(f"priority_callback must be callable(ordinal, life_cycle_id) -> int, got {priority_callback!r}")
-        self._mgr = mgr
+        self._mgr = ctx.manager
+        self._config = ctx.config
+        self._tables = ctx.tables
+        self._tree = ctx.tree
+        self._matcher = ctx.matcher
+        self._launcher = ctx.launcher
+        self._open_caches = ctx.open_caches
         self._priority_callback = priority_callback
         self._priorities_known = 0  # ordinals whose page priorities are in the device table
-        self._backend = mgr._backend
-        tree = mgr._tree
+        self._backend = ctx.tables.backend
+        tree = ctx.tree
         sid = tree.scope_id(scope, create=True)
         self._scope = tree.scope_of(sid)  # kept: a closed cache's scope id may be reclaimed
-        self._T = mgr.config.tokens_per_block
-        L = len(mgr.config.life_cycles)
+        self._T = ctx.config.tokens_per_block
+        L = len(ctx.config.life_cycles)
         self._num_life_cycles = L
         xp = self._backend.xp
         blocks = 4
@@ -102,7 +123,7 @@ class KVCache:
             out=xp.zeros(4, dtype=np.int64),
             counts=xp.zeros(max(L, 1), dtype=np.int64),
             scope_digest=self._backend.to_device(digest_to_int64x4(tree.scope_digest(sid))),
-            scratch=xp.full((max(L, 1), _scratch_width(mgr.config)), NULL, dtype=np.int64),
+            scratch=xp.full((max(L, 1), _scratch_width(ctx.config)), NULL, dtype=np.int64),
             scratch_count=xp.zeros(max(L, 1), dtype=np.int64),
         )
         self._run = build_seq_kernel(self._backend.target)
@@ -137,13 +158,14 @@ class KVCache:
         ids = self._committed_ids()
         if not ids.size or int(ids.min()) >= 0:
             return ids
-        digest_of = self._mgr._tables.digest_of_token
+        digest_of = self._tables.digest_of_token
         return [digest_of(t) if t < 0 else t for t in ids.tolist()]
 
     def _committed_ids(self) -> np.ndarray:
         """The committed tokens as stored: digests as their interned ids."""
         return np.array(self._backend.to_host(self._q.tokens[: self.num_committed_tokens]))
 
+    @serialized("kv.page_indices()")
     def page_indices(self, life_cycle_id: int) -> np.ndarray:
         """One page index (inside the life cycle's GPU pool) per block; -1 = none,
         or a page that is on the host tier (an ACTIVE cache has all its pages on
@@ -152,12 +174,14 @@ class KVCache:
         rows = self._backend.to_host(self._q.pages[: int(self._scalars[Q_NUM_BLOCKS]), life_cycle_id])
         return self._pool_index(rows)
 
+    @serialized("kv.scratch_blocks()")
     def scratch_blocks(self, life_cycle_id: int) -> np.ndarray:
         """Ordinals whose pages are SWA scratch (shared slots, no page of their own)."""
         self._check_lc(life_cycle_id)
         kinds = self._backend.to_host(self._q.kinds[: int(self._scalars[Q_NUM_BLOCKS]), life_cycle_id])
         return np.nonzero(kinds == SCRATCH)[0]
 
+    @serialized("kv.scratch_page_indices()")
     def scratch_page_indices(self, life_cycle_id: int) -> np.ndarray:
         """Pool indices of the scratch slots held for this step; scratch block
         ``o`` uses slot ``o % len(slots)``."""
@@ -165,6 +189,7 @@ class KVCache:
         n = int(self._backend.to_host(self._q.scratch_count)[life_cycle_id])
         return self._pool_index(self._backend.to_host(self._q.scratch[life_cycle_id, :n]))
 
+    @serialized("kv.ssm_page_index()")
     def ssm_page_index(self) -> int:
         """The live SSM page's pool index, -1 for none."""
         return int(self._pool_index(np.array([self._scalars[Q_SSM_PAGE]]))[0])
@@ -172,12 +197,13 @@ class KVCache:
     def _pool_index(self, rows) -> np.ndarray:
         out = np.full(len(rows), -1, dtype=np.int32)
         have = np.nonzero(rows != NULL)[0]
-        tables = self._mgr._tables
+        tables = self._tables
         on_gpu = tables.page_fields(rows[have], PAGE_LEVEL) == 0
         out[have[on_gpu]] = tables.page_fields(rows[have[on_gpu]], PAGE_POOL_INDEX)
         return out
 
     # -- calls --------------------------------------------------------------------------
+    @serialized("kv.resume()")
     def resume(self) -> bool:
         """SUSPENDED -> ACTIVE (False, and no change, when pages run out)."""
         self._require(KVCacheStatus.SUSPENDED, "resume()")
@@ -185,10 +211,12 @@ class KVCache:
         self._fill_priorities(blocks)
         return self._launch(SEQ_RESUME, need=blocks + 2)
 
+    @serialized("kv.suspend()")
     def suspend(self):
         self._require(KVCacheStatus.ACTIVE, "suspend()")
         self._launch(SEQ_SUSPEND)
 
+    @serialized("kv.resize()")
     def resize(self, capacity: int | None = None, history_length: int | None = None) -> bool:
         """Set capacity (blocks to hold) and history (tokens before the next
         input). False, with nothing changed, when a page pool is short."""
@@ -199,7 +227,7 @@ class KVCache:
             raise ValueError(f"history_length cannot decrease ({hist} < {self.history_length})")
         if cap < hist:
             raise ValueError(f"capacity {cap} is below history_length {hist}")
-        scratch = self._mgr.config.swa_scratch_reuse
+        scratch = self._config.swa_scratch_reuse
         if scratch is not None and cap != self.capacity:
             if not self.capacity - scratch.max_rewind_len <= hist <= self.capacity:
                 raise ValueError(
@@ -214,20 +242,21 @@ class KVCache:
         self._reserve(blocks)
         self._fill_priorities(blocks)
         new = max(0, blocks - int(self._scalars[Q_NUM_BLOCKS]))
-        return self._launch(SEQ_RESIZE, cap, hist, need=new + _scratch_width(self._mgr.config) + 1)
+        return self._launch(SEQ_RESIZE, cap, hist, need=new + _scratch_width(self._config) + 1)
 
+    @serialized("kv.commit()")
     def commit(self, tokens, is_end: bool = False):
         """Commit the next tokens of the sequence into the reuse tree (§2.5)."""
         self._require(KVCacheStatus.ACTIVE, "commit()")
         if not isinstance(is_end, (bool, np.bool_)):
             raise TypeError(f"is_end must be a bool, got {is_end!r}")
-        tables = self._mgr._tables
+        tables = self._tables
         # Digests are only looked up until every check has passed, so a
         # rejected commit interns nothing.
         arr = token_array(tokens, tables.lookup_digest)
         if arr.size == 0:
             if is_end:
-                self.stop_committing()
+                self._stop_committing()
             return
         if int(self._scalars[Q_COMMIT_STATE]) == USER_STOP:
             raise LogicError("Cannot commit tokens after stop_committing()")
@@ -235,7 +264,7 @@ class KVCache:
         n1 = n0 + arr.size
         if n1 > self.capacity:
             raise ValueError(f"committing {arr.size} tokens would pass the capacity ({n1} > {self.capacity})")
-        if self._mgr.config.commit_min_snapshot and self.history_length not in (n0, n1):
+        if self._config.commit_min_snapshot and self.history_length not in (n0, n1):
             raise ValueError(
                 f"commit_min_snapshot: history_length ({self.history_length}) must equal the committed length "
                 f"before ({n0}) or after ({n1}) the commit of {arr.size} tokens"
@@ -244,18 +273,23 @@ class KVCache:
             arr = token_array(tokens, tables.intern_digest)
         self._q.tokens[n0:n1] = self._backend.to_device(arr)
         blocks = -(-n1 // self._T)
-        self._mgr._tables.ensure_free_blocks(blocks + 2)
+        self._tables.ensure_free_blocks(blocks + 2)
         # New blocks, a re-attached chain, and a rebase announcing each life cycle.
-        self._mgr._tables.ensure_log_tokens((self._num_life_cycles + 2) * blocks + 2)
+        self._tables.ensure_log_tokens((self._num_life_cycles + 2) * blocks + 2)
         self._launch(SEQ_COMMIT, n0, arr.size, int(bool(is_end)), need=2)
 
+    @serialized("kv.stop_committing()")
     def stop_committing(self):
+        self._stop_committing()
+
+    def _stop_committing(self):
         if self.status is KVCacheStatus.CLOSED:
             raise LogicError("stop_committing() on a closed KV cache")
-        self._mgr._tables.ensure_free_blocks(2)
-        self._mgr._tables.ensure_log_tokens(2 * int(self._scalars[Q_NUM_BLOCKS]) + 2)
+        self._tables.ensure_free_blocks(2)
+        self._tables.ensure_log_tokens(2 * int(self._scalars[Q_NUM_BLOCKS]) + 2)
         self._launch(SEQ_STOP)
 
+    @serialized("kv.close()")
     def close(self, evict_first: bool = False):
         """Stop committing (a pending partial tail is committed) and release
         every page; closing twice is a no-op. With ``evict_first`` the pages
@@ -263,13 +297,16 @@ class KVCache:
         scheduler knows will not be continued)."""
         if not isinstance(evict_first, bool):
             raise TypeError(f"evict_first must be a bool, got {evict_first!r}")
+        self._close(evict_first)
+
+    def _close(self, evict_first: bool = False):
         if self.status is KVCacheStatus.CLOSED:
             return
-        self._mgr._tables.ensure_free_blocks(2)
-        self._mgr._tables.ensure_log_tokens(2 * int(self._scalars[Q_NUM_BLOCKS]) + 2)
-        self._launch(SEQ_CLOSE, int(evict_first))
-        self._mgr._open_caches.discard(self)
+        self._tables.ensure_free_blocks(2)
+        self._tables.ensure_log_tokens(2 * int(self._scalars[Q_NUM_BLOCKS]) + 2)
+        self._launch(SEQ_CLOSE, int(evict_first))  # leaves the open set in _after_launch
 
+    @serialized("kv.plan_committed_block_drop()")
     def plan_committed_block_drop(self) -> "PlannedDrop | None":
         """Plan dropping this turn's pages that a later turn will not need
         (§2.9): the SWA window at the endpoint and the last SSM checkpoint, never
@@ -280,25 +317,24 @@ class KVCache:
         N = self.num_committed_tokens
         if N == 0:
             return None
-        mgr = self._mgr
         scope = self._scope
-        m = mgr._matcher.match([ValidTokens(self._committed_ids())], scope, backoff=0).to_host()  # never backed off
+        m = self._matcher.match([ValidTokens(self._committed_ids())], scope, backoff=0).to_host()  # never backed off
         blocks = m.blocks(0)
         if int(m.num_tokens[0]) != N or not len(blocks):
             return None
         E = len(blocks)
-        L = len(mgr.config.life_cycles)
+        L = len(self._config.life_cycles)
         b = self._backend
         picked = []
-        for lc, life in enumerate(mgr.config.life_cycles):
+        for lc, life in enumerate(self._config.life_cycles):
             start = planned_drop_start(life.kind, life.stale_range(N, self._T)[1], E)
             if start == NO_DROP:
                 continue  # later turns may still need these blocks
-            pages = b.to_host(mgr._tables.slots[b.to_device(slot_row(blocks[start:], lc, L)), SLOT_PAGE])
+            pages = b.to_host(self._tables.slots[b.to_device(slot_row(blocks[start:], lc, L)), SLOT_PAGE])
             if (pages == NULL).any():
                 return None
             picked.extend(int(p) for p in pages)
-        return PlannedDrop(mgr, sorted(set(picked)))
+        return PlannedDrop(self._tables, self._tree, self._launcher, sorted(set(picked)))
 
     # -- plumbing ---------------------------------------------------------------------------
     def _setup_reuse(self, tokens: np.ndarray, num_tokens: int, blocks: np.ndarray):
@@ -313,15 +349,17 @@ class KVCache:
         locked on the GPU): full attention needs one per new block, a sliding
         window one per new block past its stale range (without scratch reuse,
         which shares slots)."""
-        config = self._mgr.config
+        config = self._config
         have = int(self._scalars[Q_NUM_BLOCKS])
         for life, pool in zip(config.life_cycles, config.pages_per_life_cycle_list()):
-            if life.kind == KIND_FULL:
+            if is_checkpoint(life.kind):
+                continue  # one live state, whatever the length
+            if not has_window(life.kind):
                 first_new = have
-            elif life.kind == KIND_SWA and config.swa_scratch_reuse is None:
+            elif config.swa_scratch_reuse is None:
                 first_new = max(have, life.stale_range(history, self._T)[1])
             else:
-                continue
+                continue  # scratch reuse shares slots
             if blocks - first_new > pool:
                 return False
         return True
@@ -354,13 +392,15 @@ class KVCache:
         cb = self._priority_callback
         if cb is None or blocks <= self._priorities_known:
             return
-        L = len(self._mgr.config.life_cycles)
+        L = len(self._config.life_cycles)
         rows = np.empty((blocks - self._priorities_known, max(L, 1)), dtype=np.int64)
         rows[:] = DEFAULT_PRIORITY
         for i, o in enumerate(range(self._priorities_known, blocks)):  # the callback is per (ordinal, life cycle) by contract
             for lc in range(L):
                 try:
                     v = cb(o, lc)
+                except BusyError:
+                    raise  # the callback called back into the manager: say so, unwrapped
                 except Exception as e:
                     raise ValueError(f"priority_callback({o}, {lc}) raised {type(e).__name__}: {e}") from e
                 rows[i, lc] = check_priority(v, f"priority_callback({o}, {lc})")
@@ -370,26 +410,29 @@ class KVCache:
     def _launch(self, op, *args, need: int = 0) -> bool:
         """One launch of the sequence kernel; ``need`` bounds the GPU pages it
         allocates per life cycle (so eviction victims are listed beforehand)."""
-        b = self._backend
-        mgr = self._mgr
         a = np.zeros(4, dtype=np.int64)
         a[: len(args)] = args
-        self._q.args[:] = b.to_device(a)
-        if need:
-            mgr._evictor.prepare([need] * self._num_life_cycles)
+        self._q.args[:] = self._backend.to_device(a)
         # Every block this cache may touch, the pages it may allocate, scratch.
-        mgr._tables.ensure_log(self._q.tree.shape[0] + need + self._q.scratch.shape[1] + 8)
-        self._run(mgr._tables.device, self._q, op)
-        self._scalars = b.to_host(self._q.scalars).copy()
-        mgr._tree.after_kernel()
+        self._tables.ensure_log(self._q.tree.shape[0] + need + self._q.scratch.shape[1] + 8)
+        self._launcher.launch(
+            self._run, self._q, op, need=[need] * self._num_life_cycles if need else None, results=self._after_launch
+        )
         return bool(self._scalars[Q_RESULT])
+
+    def _after_launch(self):
+        """The host copy of the cache's scalars, read back after each launch
+        (again if the aftermath is resumed); a closed cache leaves the open set."""
+        self._scalars = self._backend.to_host(self._q.scalars).copy()
+        if int(self._scalars[Q_STATUS]) == CLOSED:
+            self._open_caches.discard(self)
 
     def _require(self, status: KVCacheStatus, what: str):
         if self.status is not status:
             raise LogicError(f"{what} needs a {status.name} KV cache; this one is {self.status.name}")
 
     def _check_lc(self, lc):
-        L = len(self._mgr.config.life_cycles)
+        L = len(self._config.life_cycles)
         if not isinstance(lc, (int, np.integer)) or isinstance(lc, bool) or not 0 <= lc < L:
             raise ValueError(f"life_cycle_id must be in 0..{L - 1}, got {lc!r}")
 
@@ -404,17 +447,20 @@ class PlannedDrop:
     Plans are reference counts on pages: a page dies when the last plan naming
     it is dropped, if nobody holds it then."""
 
-    def __init__(self, mgr, pages: list[int]):
-        self._mgr = mgr
-        self._pages = list(zip(pages, mgr._tables.page_fields(pages, PAGE_SERIAL).tolist()))
-        mgr._tree.plan_drops(pages)
+    def __init__(self, tables: Tables, tree: BlockTree, launcher: Launcher, pages: list[int]):
+        self._tables = tables
+        self._tree = tree
+        self._launcher = launcher
+        self._pages = list(zip(pages, tables.page_fields(pages, PAGE_SERIAL).tolist()))
+        tree.plan_drops(pages)
         self.dropped = False
 
+    @serialized("PlannedDrop.drop()")
     def drop(self):
         if self.dropped:
             raise RuntimeError("This planned drop has already been dropped")
         self.dropped = True
-        self._mgr._tree.drop_planned(self._pages)
+        self._tree.drop_planned(self._pages)
 
 
 def _scratch_width(config) -> int:

@@ -278,51 +278,63 @@ class KVCacheEventManager:
             data = KVCacheCreatedData(tuple(int(n) for n in num_blocks_per_cache_level))
             self._add_event(data, None)
 
-    def on_records(self, records: np.ndarray, log_tokens: np.ndarray) -> None:
+    def on_records(self, records: np.ndarray, log_tokens: np.ndarray, progress: np.ndarray | None = None) -> None:
         """Consume drained change-log rows ([n, LOG.width] int64, in log order);
-        ``log_tokens`` holds the token rows the stored headers point at."""
+        ``log_tokens`` holds the token rows the stored headers point at.
+
+        ``progress`` (a one-element int64 array) makes the call resumable: it
+        starts at ``records[progress[0]]`` and advances ``progress[0]`` past
+        each record it has applied, so records consumed before an exception
+        are not applied twice when the same records come again."""
         if not self.enabled:
             return
         records = np.asarray(records)
         if records.size and (records.ndim != 2 or records.shape[1] != LOG.width):
             raise ValueError(f"records must have shape [n, {LOG.width}], got {records.shape}")
         digests: dict[int, bytes] = {}  # negative token id -> digest, for this batch
-        i, n = 0, len(records)
+        i, n = (0 if progress is None else int(progress[0])), len(records)
         while i < n:
-            r = records[i]
-            kind = int(r[LOG_KIND])
-            if kind in (EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE):
-                j = i + 1
-                while j < n and int(records[j, LOG_KIND]) == EV_PAGE_INFO:
-                    j += 1
-                block = self._logged_block(r, records[i + 1 : j], log_tokens, digests)
-                if kind == EV_STORED_BLOCK:
-                    self.add_stored_block_event_from_block(block)
-                else:
-                    self.add_stored_life_cycle_event_from_block(block, int(r[LOG_LIFE_CYCLE]))
-                i = j
-                continue
-            if kind == EV_REMOVED:
-                # One record per detached block. Removing a subtree key by key
-                # gives the events of one batched call: removals are buffered
-                # per group, in order, until something flushes them.
-                key = _digest(r, LOG_DIGEST)
-                self._scope_of.pop(key, None)
-                self.add_removed_event([key])
-            elif kind == EV_REMOVED_LIFE_CYCLE:
-                self.add_removed_life_cycle_event(_digest(r, LOG_DIGEST), int(r[LOG_LIFE_CYCLE]))
-            elif kind == EV_UPDATED:
-                self.add_updated_event(
-                    _digest(r, LOG_DIGEST),
-                    cache_level=Diff(int(r[LOG_OLD_LEVEL]), int(r[LOG_LEVEL])),
-                    priority=None,
-                    layer_group_id=int(r[LOG_LIFE_CYCLE]),
-                )
-            elif kind == EV_PAGE_INFO:
-                raise ValueError(f"log record {i}: a page info record without a stored header")
-            elif kind not in (EV_CREATED, EV_ROOT_REMOVED):
-                raise ValueError(f"log record {i}: unknown kind {kind}")
-            i += 1
+            i = self._apply_record(records, i, log_tokens, digests)
+            if progress is not None:
+                progress[0] = i
+
+    def _apply_record(self, records: np.ndarray, i: int, log_tokens: np.ndarray, digests: dict) -> int:
+        """Apply the record at ``i`` (a stored header with its page infos, or
+        one record); returns the index of the next one."""
+        n = len(records)
+        r = records[i]
+        kind = int(r[LOG_KIND])
+        if kind in (EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE):
+            j = i + 1
+            while j < n and int(records[j, LOG_KIND]) == EV_PAGE_INFO:
+                j += 1
+            block = self._logged_block(r, records[i + 1 : j], log_tokens, digests)
+            if kind == EV_STORED_BLOCK:
+                self.add_stored_block_event_from_block(block)
+            else:
+                self.add_stored_life_cycle_event_from_block(block, int(r[LOG_LIFE_CYCLE]))
+            return j
+        if kind == EV_REMOVED:
+            # One record per detached block. Removing a subtree key by key
+            # gives the events of one batched call: removals are buffered
+            # per group, in order, until something flushes them.
+            key = _digest(r, LOG_DIGEST)
+            self._scope_of.pop(key, None)
+            self.add_removed_event([key])
+        elif kind == EV_REMOVED_LIFE_CYCLE:
+            self.add_removed_life_cycle_event(_digest(r, LOG_DIGEST), int(r[LOG_LIFE_CYCLE]))
+        elif kind == EV_UPDATED:
+            self.add_updated_event(
+                _digest(r, LOG_DIGEST),
+                cache_level=Diff(int(r[LOG_OLD_LEVEL]), int(r[LOG_LEVEL])),
+                priority=None,
+                layer_group_id=int(r[LOG_LIFE_CYCLE]),
+            )
+        elif kind == EV_PAGE_INFO:
+            raise ValueError(f"log record {i}: a page info record without a stored header")
+        elif kind not in (EV_CREATED, EV_ROOT_REMOVED):
+            raise ValueError(f"log record {i}: unknown kind {kind}")
+        return i + 1
 
     def flush_iteration_events(self) -> None:
         """End the iteration: flush the buffered removals and move every pending

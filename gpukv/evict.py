@@ -56,6 +56,14 @@ class Evictor:
         for lc in short:
             self._list(lc, int(need[lc] - free[lc]) + SLACK)
 
+    def forget(self) -> None:
+        """Drop every list, as the end of a launch does: a pass cut short by an
+        exception must not leave half-written lists or counts to the next launch."""
+        t = self.tables
+        t.victim_count[:] = 0
+        t.victim_next[:] = 0
+        t.victim_total[:] = -1
+
     def _list(self, lc: int, k: int) -> None:
         t = self.tables
         xp = t.xp

@@ -26,6 +26,7 @@ from .kernels.match import (
 )
 from .core.layout import CNT_DETACHES
 from .core.scope import ReuseScope, as_scope
+from .launcher import Launcher
 from .tables import Tables
 from .tokens import ValidTokens, check_flat, flatten, token_error
 from .tree import BlockTree
@@ -60,10 +61,11 @@ class BatchMatch:
 
 
 class Matcher:
-    def __init__(self, tables: Tables, tree: BlockTree, arena: TokenArena, config):
+    def __init__(self, tables: Tables, tree: BlockTree, arena: TokenArena, config, launcher: Launcher):
         self.tables = tables
         self.tree = tree
         self.arena = arena
+        self.launcher = launcher
         self.backend = tables.backend
         self.kernels = build_match_kernels(self.backend.target)
         self.T = config.tokens_per_block
@@ -128,11 +130,19 @@ class Matcher:
         for i, s in enumerate(seqs):
             self._check_sequence(i, s)
         slots = np.fromiter((s._slot for s in seqs), dtype=np.int64, count=len(seqs))
-        starts, lengths, hash_off, (src, dst, first, total) = self.arena.prepare(slots)
-        b = self.backend
         a = self.arena
-        if total:
-            self.kernels.hash_blocks(a.tokens, b.to_device(src), b.to_device(dst), b.to_device(first), a.hashes, self.T, total)
+        hashed = a.hashed[slots]  # a copy: prepare() counts the blocks as hashed before they are
+        try:
+            starts, lengths, hash_off, (src, dst, first, total) = a.prepare(slots)
+            b = self.backend
+            if total:
+                self.launcher.read(
+                    self.kernels.hash_blocks, a.tokens, b.to_device(src), b.to_device(dst), b.to_device(first),
+                    a.hashes, self.T, total,
+                )
+        except BaseException:
+            a.hashed[slots] = hashed  # not hashed after all: the next match hashes them
+            raise
         return a.tokens, b.to_device(starts), b.to_device(lengths), a.hashes, b.to_device(hash_off), slots, False
 
     def _scopes(self, scopes, B):
@@ -202,7 +212,7 @@ class Matcher:
             bad=np.empty(B, dtype=np.int64) if check else self._empty,
         )
         if B:
-            self.kernels.match(self.tables.device, batch, bool(partial), int(backoff), self.ssm_lc)
+            self.launcher.read(self.kernels.match, self.tables.device, batch, bool(partial), int(backoff), self.ssm_lc)
         if check and B:
             bad = batch.bad
             if int(bad.max()) >= 0:
@@ -219,7 +229,7 @@ class Matcher:
             xp.cumsum(res[:, RES_NUM_BLOCKS], out=block_offsets[1:])
         block_ids = xp.empty(int(block_offsets[-1]), dtype=np.int64)
         if B and block_ids.shape[0]:
-            self.kernels.compact(batch, block_offsets, block_ids)
+            self.launcher.read(self.kernels.compact, batch, block_offsets, block_ids)
         self._path = path
         return BatchMatch(
             num_tokens=res[:, RES_NUM_TOKENS],

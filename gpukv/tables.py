@@ -37,7 +37,6 @@ from .core.layout import (
     CNT_BLOCK_FREE_TOP,
     CNT_LOG_LEN,
     CNT_LOG_TOKENS_LEN,
-    CNT_NUM_COPIES,
     COPY_WIDTH,
     COUNTERS,
     FLAG_ATTACHED,
@@ -337,10 +336,14 @@ class Tables:
 
     # -- the change log ----------------------------------------------------------
     def ensure_log_tokens(self, blocks: int):
-        """Room for the tokens of ``blocks`` announced blocks in one launch."""
+        """Room for the tokens of ``blocks`` announced blocks in one launch
+        (keeping the rows of records not consumed yet)."""
         have = self.log_tokens.shape[0]
         if have < blocks:
-            self.log_tokens = self.xp.zeros((max(blocks, 2 * have), self.log_tokens.shape[1]), dtype=np.int32)
+            grown = self.xp.zeros((max(blocks, 2 * have), self.log_tokens.shape[1]), dtype=np.int32)
+            k = int(self.counters_host()[CNT_LOG_TOKENS_LEN])
+            grown[:k] = self.log_tokens[:k]
+            self.log_tokens = grown
 
     def ensure_log(self, blocks: int):
         """Room in the change log for one launch of an operation on up to
@@ -353,35 +356,28 @@ class Tables:
         and a removal (its root's too); per page it touches a death, or up to
         two migrations (an allocation evicts a victim, and moving it to the
         host tier may drop a host page); and an announcement with one page
-        info per life cycle for every row of ``log_tokens``. The log is
-        drained after every launch, so a larger one simply replaces it."""
-        live = self.num_rows - int(self.counters_host()[CNT_BLOCK_FREE_TOP])
+        info per life cycle for every row of ``log_tokens``. Records an earlier
+        launch left unconsumed (its aftermath was interrupted) stay in front
+        and count against the room."""
+        counters = self.counters_host()
+        live = self.num_rows - int(counters[CNT_BLOCK_FREE_TOP])
+        kept = int(counters[CNT_LOG_LEN])
         L = self.num_life_cycles
-        rows = live + 3 * (blocks + 2) + 4 * L * (blocks + 2) + (L + 1) * self.log_tokens.shape[0] + LOG_MIN_ROWS
+        rows = kept + live + 3 * (blocks + 2) + 4 * L * (blocks + 2) + (L + 1) * self.log_tokens.shape[0] + LOG_MIN_ROWS
         if self.log.shape[0] < rows:
-            self.log = self.xp.empty((rows + rows // 4, LOG.width), dtype=np.int64)
+            grown = self.xp.empty((rows + rows // 4, LOG.width), dtype=np.int64)
+            grown[:kept] = self.log[:kept]
+            self.log = grown
 
-    def drain_log(self, counters: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The log records since the last drain and the announced tokens (host
-        arrays), then empty both."""
-        n = int(counters[CNT_LOG_LEN])
-        k = int(counters[CNT_LOG_TOKENS_LEN])
-        if n == 0:
-            return np.zeros((0, LOG.width), dtype=np.int64), np.zeros((0, self.log_tokens.shape[1]), dtype=np.int32)
+    def read_log(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``n`` log records and ``k`` announced token rows, as host
+        copies; the log keeps them until the launcher resets its counters."""
         records = np.array(self.backend.to_host(self.log[:n]))
-        tokens = np.array(self.backend.to_host(self.log_tokens[:k]))
-        self.counters[CNT_LOG_LEN] = 0
-        self.counters[CNT_LOG_TOKENS_LEN] = 0
-        return records, tokens
+        return records, np.array(self.backend.to_host(self.log_tokens[:k]))
 
-    def drain_copies(self, counters: np.ndarray) -> np.ndarray:
-        """The page data copies the last launch recorded, in order."""
-        n = int(counters[CNT_NUM_COPIES])
-        if n == 0:
-            return np.zeros((0, COPY_WIDTH), dtype=np.int64)
-        copies = np.array(self.backend.to_host(self.copies[:n]))
-        self.counters[CNT_NUM_COPIES] = 0
-        return copies
+    def read_copies(self, n: int) -> np.ndarray:
+        """The first ``n`` recorded page data copies, as a host copy."""
+        return np.array(self.backend.to_host(self.copies[:n]))
 
 
 def _pow2_at_least(n: int) -> int:

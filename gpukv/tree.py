@@ -35,8 +35,6 @@ from .core.layout import (
     BLK_SCOPE,
     BLK_FLAGS,
     BLK_NUM_TOKENS,
-    CNT_ERROR,
-    ERR_NONE,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
@@ -47,12 +45,9 @@ from .core.layout import (
 )
 from .core.config import DEFAULT_PRIORITY, check_priority
 from .core.scope import ReuseScope, as_scope
+from .launcher import Launcher, TreeError  # noqa: F401 (TreeError: raised for the tree's launches)
 from .tables import Tables
 from .tokens import token_array
-
-
-class TreeError(RuntimeError):
-    """A tree kernel stopped on a condition the host should have prevented."""
 
 
 @dataclass(frozen=True)
@@ -66,30 +61,49 @@ class BlockRef:
     key: bytes
 
 
+@dataclass(frozen=True, eq=False)
+class _Scope:
+    """A registered reuse scope: what its root needs, computed once."""
+
+    scope: ReuseScope
+    key: int  # the root's fast chain key
+    digest: np.ndarray  # the root's SHA-256 digest as int64x4
+
+
 class BlockTree:
-    def __init__(self, tables: Tables):
+    """The tree's host side; every launch goes through ``launcher``."""
+
+    def __init__(self, tables: Tables, launcher: Launcher):
         self.tables = tables
         self.backend = tables.backend
-        self._run = build_tree_kernel(self.backend.target)
+        self.launcher = launcher
+        self._kernel = build_tree_kernel(self.backend.target)
         # The scope registry, by id. Ids are never reused (a reclaimed scope
         # that comes back gets a new one), so nothing that remembers an id,
         # like the arena's memo, can mistake one scope for another.
         self._scope_ids: dict[ReuseScope, int] = {}
-        self._scopes: dict[int, ReuseScope] = {}
-        self._scope_keys: dict[int, int] = {}
-        self._scope_digests: dict[int, np.ndarray] = {}
+        self._scopes: dict[int, _Scope] = {}
         self._scope_by_digest: dict[bytes, ReuseScope] = {}  # root digest -> scope
         self._next_scope_id = 0
         self._scope_collect_at = 64
         self.scopes_in_use = lambda: ()  # scope ids that open caches refer to; the manager sets it
-        self.log_sink: list | None = None  # tests collect the change log here
-        self.event_sink = None  # on_records(records, tokens) of the event manager
-        self.copy_sink = None  # carries out the page data copies of a launch
-        self.evictor = None  # lists eviction victims before a launch that may need room
+
+    @property
+    def log_sink(self) -> list | None:
+        """A list that collects every change-log record (tests)."""
+        return self.launcher.log_sink
+
+    @log_sink.setter
+    def log_sink(self, sink: list | None):
+        self.launcher.log_sink = sink
 
     # -- scopes -------------------------------------------------------------------
     def scope_id(self, scope, create: bool = False) -> int:
-        """The interned id of ``scope``; -1 if it was never used and not created."""
+        """The interned id of ``scope``; -1 if it was never used and not created.
+
+        Registration is one append of a complete record, then the lookup
+        entry: an exception between the two leaves an unused record behind,
+        never a registry whose parts disagree."""
         scope = as_scope(scope)
         sid = self._scope_ids.get(scope)
         if sid is None and create:
@@ -97,15 +111,13 @@ class BlockTree:
                 self._collect_scopes()
             sid = self._next_scope_id
             raw = scope.to_bytes()
-            # Every entry is computed before any is stored.
             digest = hashlib.sha256(raw).digest()
-            key, digest64 = root_key64(raw), digest_to_int64x4(digest)
-            self._scope_keys[sid] = key
-            self._scope_digests[sid] = digest64
-            self._scope_by_digest[digest] = scope
-            self._scopes[sid] = scope
-            self._scope_ids[scope] = sid
+            # One record, computed whole and stored before the entries that
+            # point to it, so an interrupt leaves no half-registered scope.
+            self._scopes[sid] = _Scope(scope, root_key64(raw), digest_to_int64x4(digest))
             self._next_scope_id = sid + 1
+            self._scope_by_digest[digest] = scope
+            self._scope_ids[scope] = sid
         return -1 if sid is None else sid
 
     def _collect_scopes(self):
@@ -117,30 +129,33 @@ class BlockTree:
         live.update(self.scopes_in_use())
         for scope, sid in list(self._scope_ids.items()):
             if sid not in live:
-                del self._scope_ids[scope], self._scopes[sid], self._scope_keys[sid]
-                self._scope_by_digest.pop(int64x4_to_digest(self._scope_digests.pop(sid)), None)
+                entry = self._scopes.pop(sid)
+                del self._scope_ids[scope]
+                self._scope_by_digest.pop(int64x4_to_digest(entry.digest), None)
         self._scope_collect_at = max(64, 2 * len(self._scope_ids))
 
     def scope_key(self, sid: int) -> int:
-        return self._scope_keys[sid]
+        return self._scopes[sid].key
 
     def scope_of(self, sid: int) -> ReuseScope:
-        return self._scopes[sid]
+        return self._scopes[sid].scope
 
     def scope_of_root_digest(self, digest: bytes) -> ReuseScope | None:
         """The scope whose root has this SHA-256 digest; None if no such root was made."""
         return self._scope_by_digest.get(bytes(digest))
 
     def scope_digest(self, sid: int) -> bytes:
-        return int64x4_to_digest(self._scope_digests[sid])
+        return int64x4_to_digest(self._scopes[sid].digest)
+
+    @property
+    def _scope_digests(self) -> dict[int, np.ndarray]:
+        return {sid: entry.digest for sid, entry in self._scopes.items()}
 
     # -- kernel launch --------------------------------------------------------------
     def _op(self, op: int, args=(), toks=None, need=None, pages: int = 0) -> np.ndarray:
         """One tree kernel launch; ``need[lc]`` bounds the GPU pages it
         allocates, ``pages`` any other pages per life cycle it may free."""
         b = self.backend
-        if need is not None and self.evictor is not None:
-            self.evictor.prepare(need)
         blocks = 0 if toks is None else -(-len(toks) // max(1, self.tables.tokens_per_block))
         self.tables.ensure_log(blocks + max(need or [0]) + pages)
         a = np.zeros(8, dtype=np.int64)
@@ -148,25 +163,8 @@ class BlockTree:
         t = np.zeros(max(1, self.tables.tokens_per_block), dtype=np.int32) if toks is None else toks
         out = np.full(4, NULL, dtype=np.int64)
         d_a, d_t, d_out = b.to_device(a), b.to_device(t), b.to_device(out)
-        self._run(self.tables.device, op, d_a, d_t, d_out)
-        self.after_kernel()
+        self.launcher.launch(self._kernel, op, d_a, d_t, d_out, need=need)
         return b.to_host(d_out)
-
-    def after_kernel(self):
-        """After any kernel that may change the tree: drain the change log and
-        surface an error the kernel had to stop on."""
-        counters = self.tables.counters_host()
-        err = int(counters[CNT_ERROR])
-        copies = self.tables.drain_copies(counters)
-        if self.copy_sink is not None and len(copies):
-            self.copy_sink(copies)
-        records, tokens = self.tables.drain_log(counters)
-        if self.log_sink is not None:
-            self.log_sink.extend(records)
-        if self.event_sink is not None and len(records):
-            self.event_sink(records, tokens)
-        if err != ERR_NONE:
-            raise TreeError(f"tree kernel stopped with error code {err}")
 
     # -- reading rows -------------------------------------------------------------
     def row(self, r: int) -> np.ndarray:
@@ -213,7 +211,8 @@ class BlockTree:
         toks = np.zeros(T, dtype=np.int32)
         toks[: arr.size] = arr
         self.tables.ensure_free_blocks(2)
-        out = self._op(OP_ADD, (sid, self._scope_keys[sid], p, arr.size, *self._scope_digests[sid]), toks)
+        entry = self._scopes[sid]
+        out = self._op(OP_ADD, (sid, entry.key, p, arr.size, *entry.digest), toks)
         return self.ref(out[0]), bool(out[1])
 
     def insert(self, tokens, scope=None) -> int:
@@ -228,7 +227,8 @@ class BlockTree:
         arr = self._interned(tokens, arr)
         self.tables.ensure_free_blocks(-(-arr.size // T) + 1)
         self.tables.ensure_log_tokens(-(-arr.size // T) + 1)
-        out = self._op(OP_INSERT, (sid, self._scope_keys[sid], arr.size, 0, *self._scope_digests[sid]), arr)
+        entry = self._scopes[sid]
+        out = self._op(OP_INSERT, (sid, entry.key, arr.size, 0, *entry.digest), arr)
         return int(out[3])
 
     def _interned(self, tokens, arr: np.ndarray) -> np.ndarray:

@@ -1,0 +1,287 @@
+"""The launch protocol: one kernel launch and everything that must follow it.
+
+Every kernel that changes the tables runs through ``Launcher.launch``, which
+serves the tree (``tree.py``), the caches (``cache.py``) and, for the matching
+kernels that only read, the matcher (``matching.py``):
+
+    settle      finish what an earlier launch left undone (see below)
+    prepare     list eviction victims when the launch may allocate more GPU
+                pages than are free (``Evictor.prepare``)
+    launch      run the kernel on the tables
+    aftermath   1. results: the caller's host copies of what it changed (a
+                   cache's scalars; for a launch over many caches, all of
+                   theirs in one transfer)
+                2. copies: the page data copies the kernel recorded, carried
+                   out in order by the copy executor (``PageMemory``)
+                3. log: the change records, to the event manager (and to a
+                   test's ``log_sink``)
+                4. errors: a kernel that had to stop raises ``TreeError``
+
+The aftermath is resumable. A device counter (copies, log) is reset only after
+what it counts has been done, and the host keeps how far it got, so an
+exception anywhere after the launch (a raising sink, a ``KeyboardInterrupt``
+from a signal handler) forgets nothing: the next settle carries on from where
+the last one stopped, and never repeats a copy that overwrote something.
+Every public call settles again on its way out with an exception
+(``CallGuard``), so an engine that catches the exception finds the page data
+already in place.
+
+``CallGuard`` is the other half of the protocol: a manager serves one call at
+a time. A call made while another one is in progress, from a callback inside
+it or from a second thread, is refused with ``BusyError`` before it changes
+anything.
+
+A kernel's first call in a process imports and loads compiled code (Numba,
+its disk cache). An exception in the middle of an import leaves modules half
+initialised that no retry repairs, so signals are held during a first load
+(``first_load``) and delivered right after it; a second signal goes through
+at once, for a user who insists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import signal
+import threading
+
+import numpy as np
+
+from .core.layout import CNT_ERROR, CNT_LOG_LEN, CNT_LOG_TOKENS_LEN, CNT_NUM_COPIES, ERR_NONE
+
+
+class LogicError(RuntimeError):
+    """A call that is not allowed in the current state."""
+
+
+class BusyError(LogicError):
+    """A call on a manager while another call on it is in progress: from a
+    callback inside that call, or from another thread (a manager, its caches
+    and its sequences are driven from one thread, one call at a time)."""
+
+
+class TreeError(RuntimeError):
+    """A tree kernel stopped on a condition the host should have prevented."""
+
+
+class _Call:
+    """One call on a manager: who made it and what it is (identity compared)."""
+
+    __slots__ = ("thread", "what")
+
+    def __init__(self, what: str):
+        self.thread = threading.get_ident()
+        self.what = what
+
+
+class CallGuard:
+    """One call at a time per manager.
+
+    The calls under way are the keys of an insertion-ordered dict: a call
+    enters with one store, owns the manager when it is the first key, and
+    leaves with one ``pop`` of its own key. Each is a single step for the
+    interpreter, so one asynchronous exception (a ``KeyboardInterrupt`` from a
+    signal handler), wherever it lands, leaves no call registered that has
+    left; and two threads cannot both own the manager."""
+
+    def __init__(self, launcher: "Launcher"):
+        self._launcher = launcher
+        self._calls: dict[_Call, None] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._calls)
+
+    def run(self, what: str, method, args, kwargs):
+        calls = self._calls
+        launcher = self._launcher
+        call = _Call(what)
+        try:
+            calls[call] = None
+            first = list(calls)[0]
+            if first is not call:
+                raise _refusal(call, first)
+            if launcher.pending:  # an earlier call's aftermath was cut short
+                launcher.settle()
+            return method(*args, **kwargs)
+        except BaseException:
+            if launcher.pending and calls and list(calls)[0] is call:
+                # Finish the aftermath of a launch that was cut short, so the
+                # caller that catches this finds the page data and the events
+                # complete; if that fails too, the next call finishes it.
+                try:
+                    launcher.settle()
+                except BaseException:
+                    pass  # the exception on its way out is the one to report
+            raise
+        finally:
+            calls.pop(call, None)
+
+
+def _refusal(call: _Call, running: _Call) -> BusyError:
+    if running.thread == call.thread:
+        return BusyError(
+            f"{call.what} was called while {running.what} is in progress on the same manager "
+            "(from a callback?); calls on a manager do not nest"
+        )
+    return BusyError(
+        f"{call.what} was called from thread {call.thread} while {running.what} is in progress in thread "
+        f"{running.thread}; a KVCacheManager is single-threaded: drive it and its caches from one thread"
+    )
+
+
+def serialized(what: str):
+    """Run a public method of an object with a ``_launcher`` under its
+    manager's ``CallGuard``; ``what`` names the call in refusals."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            return self._launcher.guard.run(what, method, (self, *args), kwargs)
+
+        return call
+
+    return wrap
+
+
+@contextlib.contextmanager
+def first_load():
+    """Hold the signals that have Python handlers (SIGINT, a SIGALRM timer, ...)
+    until the block is over, then deliver them in order. Handlers run on the
+    main thread only, so elsewhere there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {}
+    held = []
+
+    def restore():
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        saved.clear()
+
+    def hold(sig, frame):
+        if held:  # the second signal: stop holding and deliver it now
+            original = saved.get(sig)
+            restore()
+            if callable(original):
+                original(sig, frame)
+            return
+        held.append((sig, frame))
+
+    try:
+        for sig in signal.valid_signals():
+            try:
+                handler = signal.getsignal(sig)
+            except (OSError, ValueError):
+                continue
+            if callable(handler):
+                saved[sig] = handler
+                signal.signal(sig, hold)
+        yield
+    finally:
+        originals = dict(saved)
+        restore()
+        for sig, frame in held:
+            original = originals.get(sig)
+            if callable(original):
+                original(sig, frame)
+
+
+_LOADED: set = set()  # kernels whose first call completed in this process
+
+
+def call_kernel(kernel, *args) -> None:
+    """``kernel(*args)``; its first call in the process under ``first_load``."""
+    if kernel in _LOADED:
+        kernel(*args)
+        return
+    with first_load():
+        kernel(*args)
+        _LOADED.add(kernel)
+
+
+class Launcher:
+    """Runs kernels on one manager's tables and does their aftermath.
+
+    ``evictor``: lists victims before a launch that may need room (None: the
+    kernels scan for victims themselves). ``copier``: carries out recorded
+    page data copies (``PageMemory``). ``events``: the event manager fed from
+    the change log (None when events are off). ``log_sink``: a list that
+    collects every drained log record (tests)."""
+
+    def __init__(self, tables, evictor=None, copier=None, events=None):
+        self.tables = tables
+        self.backend = tables.backend
+        self.evictor = evictor
+        self.copier = copier
+        self.events = events
+        self.log_sink: list | None = None
+        self.guard = CallGuard(self)
+        self.pending = False  # a launch whose aftermath is not finished
+        self._results = None  # the pending launch's results step
+        self._log_fed = np.zeros(1, dtype=np.int64)  # records the event manager consumed
+        self._log_sunk = 0  # records the log sink received
+
+    def launch(self, kernel, *args, need=None, results=None) -> None:
+        """``kernel(tables, *args)``, then its aftermath.
+
+        ``need[lc]`` bounds the GPU pages the launch allocates per life cycle
+        (victims are listed beforehand when that is more than is free).
+        ``results()`` refreshes the caller's host copies of what the launch
+        changed; it runs first in the aftermath, and again if the aftermath is
+        resumed, so it must be idempotent (a read of device state)."""
+        if self.pending:
+            self.settle()
+        if need is not None and self.evictor is not None:
+            try:
+                self.evictor.prepare(need)
+            except BaseException:
+                self.evictor.forget()
+                raise
+        self._results = results
+        self.pending = True
+        call_kernel(kernel, self.tables.device, *args)
+        self.settle()
+
+    def read(self, kernel, *args) -> None:
+        """A kernel that changes no table (matching): it only needs what an
+        earlier launch left undone to be finished first."""
+        if self.pending:
+            self.settle()
+        call_kernel(kernel, *args)
+
+    def settle(self) -> None:
+        """The aftermath of the last launch, from where it stopped; nothing
+        when it is complete."""
+        if not self.pending:
+            return
+        if self._results is not None:
+            self._results()
+        t = self.tables
+        counters = t.counters_host()
+        n = int(counters[CNT_NUM_COPIES])
+        if n:
+            copies = t.read_copies(n)
+            if self.copier is not None:
+                self.copier.carry_out(copies)
+            t.counters[CNT_NUM_COPIES] = 0
+        if self.copier is not None:
+            self.copier.rewind()  # after the reset: a reset count with a stale cursor reads as done
+        n = int(counters[CNT_LOG_LEN])
+        if n:
+            records, tokens = t.read_log(n, int(counters[CNT_LOG_TOKENS_LEN]))
+            if self.log_sink is not None and self._log_sunk < n:
+                self.log_sink.extend(records[self._log_sunk:])
+                self._log_sunk = n
+            if self.events is not None:
+                self.events.on_records(records, tokens, progress=self._log_fed)
+            t.counters[CNT_LOG_LEN] = 0
+            t.counters[CNT_LOG_TOKENS_LEN] = 0
+        self._log_sunk = 0
+        self._log_fed[0] = 0
+        err = int(counters[CNT_ERROR])
+        self._results = None
+        self.pending = False
+        if err != ERR_NONE:
+            raise TreeError(f"tree kernel stopped with error code {err}")
