@@ -137,7 +137,7 @@ def test_e9_stored_events_match_the_hash_chain():
     ]
     check_event_consistency(events)
     # An updated event keyed by the block key reports the same hash.
-    mgr._events.add_updated_event(bytes.fromhex(h0), cache_level=Diff(0, 1), layer_group_id=0)
+    introspect.event_manager(mgr).add_updated_event(bytes.fromhex(h0), cache_level=Diff(0, 1), layer_group_id=0)
     (updated,) = mgr.get_latest_events()
     assert updated.data == KVCacheUpdatedData(h0, Diff(0, 1), None)
     assert (updated.event_id, updated.layer_group_id) == (2, 0)
@@ -260,7 +260,7 @@ def test_evicting_a_parent_removes_its_subtree_in_one_event():
     mgr, tracker, tokens, (h0, h1) = two_cached_blocks()
     tracker.drain()
     b0_page, _ = introspect.reuse_match_pages(mgr, tokens, 0)[1][0]
-    mgr._tree.page_death(b0_page)  # full attention: nothing below B0 is reusable any more
+    introspect.page_death(mgr, b0_page)  # full attention: nothing below B0 is reusable any more
     assert brief(tracker.drain()) == [("removed", 0, (h1, h0))]  # leaves first
     tracker.check_tree()
 
@@ -304,7 +304,7 @@ def test_the_queue_keeps_the_newest_events():
     prompts = [[k, 1, 2, 3] for k in range(4)]  # four roots' children: nothing coalesces
     hashes = [chain_hashes(4, p)[0] for p in prompts]
     commit_turn(mgr, prompts[0])
-    mgr._events.flush_iteration_events()  # created + stored(0) reach the queue, which keeps both
+    introspect.event_manager(mgr).flush_iteration_events()  # created + stored(0) reach the queue, which keeps both
     commit_turn(mgr, prompts[1])
     commit_turn(mgr, prompts[2])
     commit_turn(mgr, prompts[3])  # queued at the next flush: the two oldest go
@@ -354,13 +354,13 @@ def test_e2_real_removed_events_per_life_cycle(blocks_mgr):
     b = introspect.make_test_block(mgr, [1, 2], [2, 2])
     h = b.key.hex()
     introspect.event_manager_add_stored_block(mgr, b)
-    mgr._tree.page_death(page(mgr, b, 0))  # an SWA (non-sink) page: the block stays
+    introspect.page_death(mgr, page(mgr, b, 0))  # an SWA (non-sink) page: the block stays
     assert brief(tracker.drain()) == [("stored", 0, (h,)), ("stored", 1, (h,)), ("removed", 0, (h,))]
     tracker.check_tree()
     # lc1's page death removes the whole block (full attention); removing
     # lc1 once more is silent.
-    mgr._tree.page_death(page(mgr, b, 1))
-    mgr._events.add_removed_life_cycle_event(b.key, 1)
+    introspect.page_death(mgr, page(mgr, b, 1))
+    introspect.event_manager(mgr).add_removed_life_cycle_event(b.key, 1)
     assert brief(tracker.drain()) == [("removed", 1, (h,))]
     tracker.check_tree()
 
@@ -370,11 +370,11 @@ def test_e3_real_whole_block_removal_clears_the_life_cycle_state(blocks_mgr):
     b = introspect.make_test_block(mgr, [1, 2], [2, 2])
     h = b.key.hex()
     introspect.event_manager_add_stored_block(mgr, b)
-    mgr._tree.page_death(page(mgr, b, 0))
-    mgr._tree.remove_subtree(b)
+    introspect.page_death(mgr, page(mgr, b, 0))
+    introspect.remove_subtree(mgr, b)
     with pytest.raises(ValueError, match="stale"):  # the block is gone: a second removal cannot happen
-        mgr._tree.remove_subtree(b)
-    mgr._events.add_removed_event([b.key])  # ... and one fed directly is ignored
+        introspect.remove_subtree(mgr, b)
+    introspect.event_manager(mgr).add_removed_event([b.key])  # ... and one fed directly is ignored
     events = mgr.get_latest_events()
     assert brief(events) == [("stored", 0, (h,)), ("stored", 1, (h,)), ("removed", 0, (h,)), ("removed", 1, (h,))]
     check_event_consistency(events)
@@ -398,8 +398,8 @@ def test_e7_real_the_registry_is_used_for_removal(blocks_mgr):
     b = introspect.make_test_block(mgr, [1, 2], [2, 0])
     h = b.key.hex()
     introspect.event_manager_add_stored_block(mgr, b)
-    mgr._tree.remove_subtree(b)
-    mgr._events.add_removed_event([b.key])
+    introspect.remove_subtree(mgr, b)
+    introspect.event_manager(mgr).add_removed_event([b.key])
     events = mgr.get_latest_events()
     assert brief(events) == [("stored", 0, (h,)), ("removed", 0, (h,))]
     check_event_consistency(events)
@@ -414,7 +414,7 @@ def test_real_stored_life_cycle_path(blocks_mgr):
     h = b.key.hex()
     introspect.event_manager_add_stored_life_cycle(mgr, b, 1)  # not announced yet: whole-block path
     assert brief(tracker.drain()) == [("stored", 0, (h,))]
-    mgr._tree.add_page(b, 1, 2)  # lc1 now covers the block (a rebase would install it so)
+    introspect.add_page(mgr, b, 1, 2)  # lc1 now covers the block (a rebase would install it so)
     introspect.event_manager_add_stored_life_cycle(mgr, b, 1)
     introspect.event_manager_add_stored_life_cycle(mgr, b, 1)
     introspect.event_manager_add_stored_life_cycle(mgr, b, 0)
@@ -441,7 +441,7 @@ def test_introspect_announce_hooks_validate(blocks_mgr):
     b = introspect.make_test_block(mgr, [1, 2], [2, 2])
     with pytest.raises(ValueError, match="life_cycle_id"):
         introspect.event_manager_add_stored_life_cycle(mgr, b, 2)
-    mgr._tree.remove_subtree(b)
+    introspect.remove_subtree(mgr, b)
     with pytest.raises(ValueError, match="stale"):
         introspect.event_manager_add_stored_block(mgr, b)
 
@@ -622,7 +622,7 @@ def test_scenario_events_are_consistent(scenario, kwargs, monkeypatch):
     scenario(**kwargs)
     for t in trackers:
         step_with_attention_lower_bound(t)
-        if not t.mgr._open_caches:
+        if not introspect.num_open_caches(t.mgr):
             t.mgr.clear_reusable_blocks()
             t.step()
             assert t.announced == {}
