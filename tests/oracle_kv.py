@@ -320,6 +320,18 @@ class KVOracle:
         m = self.tree.match(scope, list(tokens), enable_partial, 0)
         return m.num_tokens, [None if b.slots[lc] is None else (b.slots[lc].slot, b.slots[lc].coverage) for b in m.blocks]
 
+    def shutdown(self) -> None:
+        """Clear the tree for good; refused (and nothing changes) while caches are open."""
+        n = len(self._caches)
+        if n:
+            raise LogicError(f"shutdown(): {n} KV cache(s) still open")
+        self.tree.clear()
+        self._gc()
+
+    def page_at(self, lc: int, slot: int):
+        """The live page (committed or not) that uses pool slot ``slot`` of ``lc``."""
+        return self._slot_owner[lc][slot]
+
     def free_pages(self, lc: int) -> int:
         return len(self._free[lc])
 

@@ -49,11 +49,13 @@ from gpukv.events import (
 from gpukv.core.hashing import sequence_to_blockchain_keys
 
 try:  # tests/ is on sys.path under pytest's default import mode
+    import scenario_rigs
     import test_kvcache_differential as differential
     import test_kvcache_scenarios as scenarios
     from conftest import make_manager
     from event_checks import EventTracker, check_event_consistency
 except ImportError:  # pragma: no cover - if tests/ becomes a package
+    from tests import scenario_rigs
     from tests import test_kvcache_differential as differential
     from tests import test_kvcache_scenarios as scenarios
     from tests.conftest import make_manager
@@ -561,8 +563,9 @@ def test_conversation_events_with_a_host_tier_are_consistent_long(config, seed):
 
 
 def _scenario_cases():
-    """Every test of ``test_kvcache_scenarios.py``, on cpu, with its
-    parametrizations expanded: ``(id, function, kwargs)``."""
+    """Every test of ``test_kvcache_scenarios.py`` on ``cpu`` (the ``cpu`` side of
+    the scenarios played on every side), with its parametrizations expanded:
+    ``(id, function, kwargs)``."""
     cases = []
     for name, fn in sorted(vars(scenarios).items()):
         if not name.startswith("test_") or not inspect.isfunction(fn):
@@ -575,10 +578,9 @@ def _scenario_cases():
             names = [s.strip() for s in names.split(",")] if isinstance(names, str) else list(names)
             values = [v.values if hasattr(v, "values") else (v if len(names) > 1 else (v,)) for v in mark.args[1]]
             grids = [{**g, **dict(zip(names, v))} for g, v in itertools.product(grids, values)]
+        grids = [g for g in grids if g.get("side", "cpu") == "cpu"]
         params = set(inspect.signature(fn).parameters)
         for i, kwargs in enumerate(grids):
-            if "backend" in params:
-                kwargs = {**kwargs, "backend": "cpu"}
             if set(kwargs) != params:
                 continue  # a fixture this module does not provide
             cases.append(pytest.param(fn, kwargs, id=f"{name}[{i}]" if len(grids) > 1 else name))
@@ -601,7 +603,7 @@ def test_scenario_events_are_consistent(scenario, kwargs, monkeypatch):
     attention lower bound) runs at every ``Rig.check`` and at the end; with
     no cache left open, a clear must remove everything that was announced."""
     trackers = []
-    make = scenarios.make_manager
+    make = scenario_rigs.make_manager
 
     def with_events(backend="cpu", **config):
         config["max_kv_event_entries"] = MANY
@@ -609,7 +611,7 @@ def test_scenario_events_are_consistent(scenario, kwargs, monkeypatch):
         trackers.append(EventTracker(mgr))
         return mgr
 
-    check = scenarios.Rig.check
+    check = scenario_rigs.ManagerRig.check
 
     def check_with_events(rig):
         check(rig)
@@ -617,8 +619,8 @@ def test_scenario_events_are_consistent(scenario, kwargs, monkeypatch):
             if t.mgr is rig.mgr:
                 step_with_attention_lower_bound(t)
 
-    monkeypatch.setattr(scenarios, "make_manager", with_events)
-    monkeypatch.setattr(scenarios.Rig, "check", check_with_events)
+    monkeypatch.setattr(scenario_rigs, "make_manager", with_events)
+    monkeypatch.setattr(scenario_rigs.ManagerRig, "check", check_with_events)
     scenario(**kwargs)
     for t in trackers:
         step_with_attention_lower_bound(t)
