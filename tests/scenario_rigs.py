@@ -22,7 +22,7 @@ import pytest
 
 import gpukv
 from gpukv import Attention, ReuseScope, Ssm, introspect
-from gpukv.core.layout import FLAG_ATTACHED
+from gpukv.core.layout import FLAG_ATTACHED, FLAG_IN_USE
 
 try:  # tests/ is on sys.path under pytest's default import mode
     import oracle as O
@@ -78,7 +78,7 @@ class Rig:
     ``run`` (the engine runs positions ``[start, end)``), ``verify_reuse``,
     ``check``, ``match``, ``reuse_match_pages``, ``chain`` (the exact-key chain:
     ``(handle, tokens, coverages, pool indices)`` per block), ``attached``,
-    ``gone``, ``first_blocks``, ``committed_page_is_linked``,
+    ``gone``, ``first_blocks``, ``tree_is_empty``, ``committed_page_is_linked``,
     ``committed_blocks``, ``planned_pages``, ``free_pages``, ``read_page``,
     ``write_word``, ``token_value``, ``clear_reusable_blocks``, ``shutdown`` and
     ``state`` (everything a rejected call must leave as it was)."""
@@ -238,6 +238,10 @@ class OracleRig(Rig):
         """Blocks directly under a scope root."""
         return sum(len(root.next) for root in self.oracle.tree.next.values())
 
+    def tree_is_empty(self) -> bool:
+        """No root, no block."""
+        return self.oracle.tree.next == {}
+
     def committed_page_is_linked(self, kv, ordinal, lc):
         return kv.committed_page_is_linked(ordinal, lc)
 
@@ -338,6 +342,9 @@ class ManagerRig(Rig):
     def first_blocks(self) -> int:
         blocks = introspect.tables(self.mgr)["blocks"]
         return int(np.count_nonzero(blocks["ordinal"][attached_rows(blocks)] == 0))
+
+    def tree_is_empty(self) -> bool:
+        return not (introspect.tables(self.mgr)["blocks"]["flags"] & FLAG_IN_USE).any()
 
     def committed_page_is_linked(self, kv, ordinal, lc):
         return introspect.committed_page_is_linked(kv, ordinal, lc)
