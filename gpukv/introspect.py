@@ -98,6 +98,12 @@ def make_test_block(mgr, tokens, coverage_per_life_cycle, parent=None, scope=Non
     return block
 
 
+def test_block_key(mgr, block: BlockRef) -> bytes:
+    """The key of a (still existing) test block."""
+    mgr._tree.resolve(block)
+    return block.key
+
+
 def close_test_block(mgr, block: BlockRef):
     """Unlink and release every page of a test block (each death runs §2.7)."""
     r = mgr._tree.resolve(block)
