@@ -247,7 +247,7 @@ def detach_count(mgr) -> int:
 
 # -- sanity ---------------------------------------------------------------------------------
 def check_sanity(mgr):
-    """Verify the tree and slot invariants of semantics.md §3 (1-7, 10) and
+    """Verify the tree and slot invariants of docs/semantics.md §3 (1-7, 10) and
     the consistency of both indexes (child keys, siblings by first token).
 
     Raises AssertionError naming the broken invariant."""

@@ -6,7 +6,7 @@ attention page holds the "KV" of the token at offset ``i`` of its block; slot 0 
 an SSM page holds the recurrent state. The value written for life cycle ``lc`` at
 absolute position ``p`` is ``token_value(lc, p, tokens[:p + 1])``: a 64-bit hash of
 everything the model has seen up to ``p``, so a page copied from the wrong place,
-never written, or written by another prefix reads back wrong (semantics.md §3
+never written, or written by another prefix reads back wrong (docs/semantics.md §3
 invariant 15, scenarios P3, D6, D8).
 
 - ``Engine.run(kv, tokens_all, start, end)`` is one model step over positions
@@ -77,7 +77,7 @@ def token_value(lc: int, pos: int, prefix) -> int:
 
 
 # ---------------------------------------------------------------------------
-# stale ranges (semantics.md §1.5), from the public layer specs
+# stale ranges (docs/semantics.md §1.5), from the public layer specs
 # ---------------------------------------------------------------------------
 
 

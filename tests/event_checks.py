@@ -1,4 +1,4 @@
-"""Consistency checks on a stream of KV cache events (semantics.md §3 invariant 16).
+"""Consistency checks on a stream of KV cache events (docs/semantics.md §3 invariant 16).
 
 A consumer (a router) rebuilds each layer group's set of cached blocks from the
 events alone, so the stream must never remove what it did not store:
@@ -120,7 +120,7 @@ class EventTracker:
     ``drain()`` takes the manager's latest events and checks the stream
     (``feed``); ``check_tree()`` then checks the state the stream describes
     against the tree. The rules, each exact at every point between two
-    manager calls (semantics.md §3 invariant 16 and §4):
+    manager calls (docs/semantics.md §3 invariant 16 and §4):
 
     Stream (``feed``):
     - event ids increase by one (nothing was dropped: the cap must be large);

@@ -1,4 +1,4 @@
-"""Two rigs that play the worked scenarios of semantics.md §6 the same way.
+"""Two rigs that play the worked scenarios of docs/semantics.md §6 the same way.
 
 A scenario (``test_kvcache_scenarios.py``) is written once against the methods
 of ``Rig`` and runs on every *side*: ``"oracle"`` is the plain-Python model
@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - if tests/ becomes a package
 
 ORACLE = "oracle"
 
-# What a match reports besides the blocks (semantics.md §2.4).
+# What a match reports besides the blocks (docs/semantics.md §2.4).
 Match = namedtuple("Match", "num_tokens before_hybrid_pruning before_pruning")
 
 

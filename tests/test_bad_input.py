@@ -1,4 +1,4 @@
-"""Bad input is rejected with a clear error and changes nothing (api.md, "Bad input").
+"""Bad input is rejected with a clear error and changes nothing (docs/api.md, "Bad input").
 
 Every case asserts the exception type, that the message names the problem
 (and the request index where the API has one), and that the device tables

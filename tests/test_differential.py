@@ -4,7 +4,7 @@ Hypothesis draws a model (tokens per block, life cycles) and a sequence of tree
 operations: add blocks (full and partial) under random parents with random
 per-life-cycle coverage, kill pages, remove subtrees, clear, and match random
 queries (partial on or off, with backoff). Every operation is applied to the
-plain-Python oracle (``tests/oracle.py``, semantics.md to the letter) and to a
+plain-Python oracle (``tests/oracle.py``, docs/semantics.md to the letter) and to a
 ``KVCacheManager`` on each backend; after each step the attached blocks with
 their per-life-cycle coverage, every match result and the removal records must
 be identical, and both sanity checkers must pass.

@@ -1,4 +1,4 @@
-"""KV cache events from a real manager (semantics.md §4, §6.4, §3 invariant 16).
+"""KV cache events from a real manager (docs/semantics.md §4, §6.4, §3 invariant 16).
 
 ``test_events.py`` drives the event manager with synthetic change-log records;
 here the records come from the kernels: commits, partial snapshots, clears,

@@ -1,5 +1,5 @@
 """The sequence layer (``create_kv_cache`` / ``KVCache``) against the worked
-scenarios of semantics.md §6.1-6.3, each written once and played on every side
+scenarios of docs/semantics.md §6.1-6.3, each written once and played on every side
 (``tests/scenario_rigs.py``): the plain-Python oracle (``tests/oracle_kv.py``),
 ``cpu``, and the CUDA kernels (in the simulator unless ``GPUKV_TEST_CUDA=1``).
 
@@ -776,7 +776,7 @@ def test_calls_on_a_closed_cache_are_rejected():
 
 
 def test_calls_in_the_wrong_status_are_rejected():
-    """The reference asserts these (semantics.md §2.5 "require ACTIVE"); gpukv
+    """The reference asserts these (docs/semantics.md §2.5 "require ACTIVE"); gpukv
     raises LogicError (oracle_kv choice 3)."""
     rig = small_rig()
     kv = rig.create()

@@ -2,7 +2,7 @@
 eviction order, its status and commit-state errors, and seeded random
 multi-turn conversations with rewinds. Every test ends with ``check_sanity``.
 
-The worked scenarios of semantics.md §6 run on the oracle and on every backend
+The worked scenarios of docs/semantics.md §6 run on the oracle and on every backend
 from one copy (``test_kvcache_scenarios.py``).
 """
 

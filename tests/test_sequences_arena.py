@@ -1,4 +1,4 @@
-"""``TokenSequence`` and the device token arena (gpukv/arena.py, api.md).
+"""``TokenSequence`` and the device token arena (gpukv/arena.py, docs/api.md).
 
 A scheduler keeps one registered sequence per request and extends it as
 tokens arrive; matching registered sequences copies nothing from the host and

@@ -1,4 +1,4 @@
-"""Scenario tests of the block radix tree on the device tables (semantics.md
+"""Scenario tests of the block radix tree on the device tables (docs/semantics.md
 §1.3-1.5, §2.1, §2.2, §2.7; scenarios D9 and D10 of §6.3).
 
 Each test builds a tiny tree with ``introspect.make_test_block`` (or
