@@ -144,8 +144,10 @@ class Rig:
         return n
 
     # -- rejected calls -------------------------------------------------------------
-    def assert_unchanged(self, before, *kvs):
-        assert self.state(*kvs) == before, "a rejected call changed the state"
+    def assert_unchanged(self, before: dict, *kvs):
+        after = self.state(*kvs)
+        for part in before:
+            assert after[part] == before[part], f"a rejected call changed the {part}"
         self.check()
 
     @contextlib.contextmanager
@@ -275,7 +277,7 @@ class OracleRig(Rig):
         blocks = {k: (tuple(b.tokens), tuple(b.cov(lc) for lc in range(self.num_life_cycles)))
                   for k, b in self.oracle.tree.attached_blocks().items()}
         free = tuple(self.oracle.free_pages(lc) for lc in range(self.num_life_cycles))
-        return blocks, free, [self.cache_state(kv) for kv in kvs]
+        return {"tree": blocks, "free pages": free, "caches' state": [self.cache_state(kv) for kv in kvs]}
 
 
 class ManagerRig(Rig):
@@ -375,8 +377,9 @@ class ManagerRig(Rig):
 
     def state(self, *kvs):
         t = introspect.tables(self.mgr)
-        tables = tuple(t[name].tobytes() for name in ("blocks", "tokens", "slots", "pages"))
-        return tables, [self.cache_state(kv) for kv in kvs]
+        out = {f"table {name}": t[name].tobytes() for name in ("blocks", "tokens", "slots", "pages")}
+        out["caches' state"] = [self.cache_state(kv) for kv in kvs]
+        return out
 
 
 # ---------------------------------------------------------------------------

@@ -718,7 +718,6 @@ def test_engine_refuses_to_write_into_a_shared_page():
     rig.check()
 
 
-
 # ---------------------------------------------------------------------------
 # bad input and faults: each rejected call changes nothing
 # ---------------------------------------------------------------------------
