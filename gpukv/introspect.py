@@ -1,18 +1,23 @@
 """White-box hooks for tests and for a person at a debugger.
 
-Everything here reads (or, for test blocks, drives) the device tables directly,
-the same way on every backend, so one test runs against all of them. Not
-thread-safe and not meant for a serving hot path.
+Everything here reads (or, for test blocks and tree operations, drives) the
+manager's device tables and host-side state directly, the same way on every
+backend, so one test runs against all of them. This module is the one place
+outside the facade that knows the manager's internals: tests go through it
+rather than through private attributes, so a change of those internals is
+met here once. Not thread-safe and not meant for a serving hot path.
 """
 
 from __future__ import annotations
 
 import hashlib
+from types import SimpleNamespace
 
 import numpy as np
 
 from .kernels.keys import sibling_hash_np
 from .kernels.sha256 import int64x4_to_digest
+from .kernels.tree import OP_INSERT
 from .core.layout import (
     BLK_DIGEST,
     BLK_FIRST_CHILD,
@@ -27,6 +32,7 @@ from .core.layout import (
     BLK_PARENT,
     BLK_SCOPE,
     BLOCKS,
+    CNT_DETACHES,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
@@ -56,13 +62,18 @@ def tables(mgr) -> dict:
     """The device tables as NumPy structured arrays with named fields.
 
     ``blocks``, ``slots`` (row = block * num_life_cycles + life cycle),
-    ``pages`` and ``log``; ``tokens`` is the plain [rows, T] token array."""
+    ``pages`` and ``log``; ``tokens`` is the plain [rows, T] token array.
+    ``block_slots`` is ``slots`` shaped [block rows, life cycles], so
+    ``block_slots[r, lc]["coverage"]`` is ``cov(block r, lc)``."""
     t = mgr._tables
     h = t.backend.to_host
+    blocks = BLOCKS.view(h(t.blocks))
+    slots = SLOTS.view(h(t.slots))
     return {
-        "blocks": BLOCKS.view(h(t.blocks)),
+        "blocks": blocks,
         "tokens": np.array(h(t.tokens)),
-        "slots": SLOTS.view(h(t.slots)),
+        "slots": slots,
+        "block_slots": slots.reshape(blocks.shape[0], len(mgr.config.life_cycles)),
         "pages": PAGES.view(h(t.pages)),
         "log": LOG.view(h(t.log)),
     }
@@ -89,6 +100,7 @@ def make_test_block(mgr, tokens, coverage_per_life_cycle, parent=None, scope=Non
 
 
 def test_block_key(mgr, block: BlockRef) -> bytes:
+    """The key of a (still existing) test block."""
     mgr._tree.resolve(block)
     return block.key
 
@@ -111,6 +123,83 @@ def page_of(mgr, block: BlockRef, life_cycle_id: int):
     return None if p == NULL else (int(p), int(c))
 
 
+# -- the tree, driven one operation at a time ------------------------------------------------
+# Each is one launch of the tree kernel, as the caches would make it; they
+# validate their arguments the same way (a bad one raises and changes nothing).
+def add_block(mgr, tokens, parent=None, scope=None) -> tuple[BlockRef, bool]:
+    """``add_or_get`` (§2.2): the block of ``tokens`` under ``parent`` (a
+    ``BlockRef``) or under the scope's root, created without pages when new
+    (a longer block adopts the pages of a sibling it covers). Returns
+    ``(block, created)``."""
+    return mgr._tree.add(tokens, parent=parent, scope=scope)
+
+
+def add_page(mgr, block: BlockRef, life_cycle_id: int, coverage: int) -> int:
+    """Install a fresh committed page of ``coverage`` tokens in the block's slot
+    when strictly wider than the incumbent (§2.1); returns its page id, or
+    NULL when the incumbent stays."""
+    return mgr._tree.add_page(block, life_cycle_id, coverage)
+
+
+def unlink_page(mgr, block: BlockRef, life_cycle_id: int, expected: int = NULL) -> int:
+    """Sever the slot's link to its page (only if it holds ``expected``, when
+    given) without any tree cleanup; returns the unlinked page id or NULL."""
+    return mgr._tree.unlink_page(block, life_cycle_id, expected)
+
+
+def page_death(mgr, page: int):
+    """A committed page lost its last owner: it dies and the §2.7 cleanup of its
+    life-cycle kind runs."""
+    mgr._tree.page_death(page)
+
+
+def remove_subtree(mgr, block: BlockRef):
+    """Detach the block and everything under it (post order, leaves first)."""
+    mgr._tree.remove_subtree(block)
+
+
+def clear_stale_blocks_after_page_unlink(mgr, block: BlockRef, life_cycle_id: int):
+    """The §2.7 cleanup after ``block`` lost its page in ``life_cycle_id``."""
+    mgr._tree.clear_stale_blocks_after_page_unlink(block, life_cycle_id)
+
+
+def make_childless_root(mgr, scope=None) -> int:
+    """The scope's root with no child yet, as ``add_or_get_existing(scope)``
+    leaves it in the reference (invariant 1 allows it only transiently); no
+    public call leaves one behind. Inserting a sequence of zero tokens creates
+    the root and stops. Returns the root's row."""
+    tree = mgr._tree
+    sid = tree.scope_id(scope, create=True)
+    tree._op(OP_INSERT, (sid, tree.scope_key(sid), 0, 0, *tree._scope_digests[sid]), np.zeros(1, dtype=np.int32))
+    raw = mgr._backend.to_host(mgr._tables.blocks)
+    live_root = (raw[:, BLK_FLAGS] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE)
+    (root,) = np.nonzero(live_root & (raw[:, BLK_SCOPE] == sid))[0]
+    return int(root)
+
+
+def block_exists(mgr, block: BlockRef) -> bool:
+    """The block's row still holds this very block (attached or orphan); False
+    once the row was released, even if another block took it since."""
+    try:
+        mgr._tree.resolve(block)
+    except ValueError:
+        return False
+    return True
+
+
+def block_ref(mgr, row: int) -> BlockRef:
+    """A handle on the block now in ``row`` (e.g. one a match returned)."""
+    return mgr._tree.ref(row)
+
+
+def record_log(mgr) -> list:
+    """Start collecting the change log: every record a launch writes from now
+    on is appended to the returned list (one int64 row each, laid out as
+    ``gpukv.core.layout.LOG``: view a list of them with ``LOG.view``)."""
+    mgr._tree.log_sink = []
+    return mgr._tree.log_sink
+
+
 # -- matching ---------------------------------------------------------------------------------
 def reuse_match_pages(mgr, tokens, life_cycle_id, scope=None, enable_partial=False):
     """Run the match (pruned, no backoff) and return
@@ -127,9 +216,39 @@ def reuse_match_pages(mgr, tokens, life_cycle_id, scope=None, enable_partial=Fal
     return int(m.num_tokens[0]), pages
 
 
+def match_batch(mgr, requests, scopes=None, partial=None, backoff=None):
+    """``mgr.match_batch`` with the partial-reuse and backoff settings given
+    per call (None: the config's), for comparing one tree under several."""
+    return mgr._matcher.match(requests, scopes, partial=partial, backoff=backoff)
+
+
+def token_digest(mgr, token: int) -> bytes:
+    """The 32-byte multimodal digest behind a negative (interned) token id."""
+    return mgr._tables.digest_of_token(token)
+
+
+def interned_digests(mgr) -> tuple[int, np.ndarray]:
+    """``(how many digests are interned, a copy of the whole digest table,
+    spare rows included)``: enough to tell that a call interned nothing."""
+    t = mgr._tables
+    return t.num_mm_digests, np.array(mgr._backend.to_host(t.mm_digests))
+
+
+def interned_scopes(mgr) -> dict:
+    """A copy of the scope registry: ``{ReuseScope: scope id}`` of every scope
+    a root was ever made for."""
+    return dict(mgr._tree._scope_ids)
+
+
+def detach_count(mgr) -> int:
+    """How many times a block has left the tree so far (what a registered
+    sequence's memo compares to know whether its rows may have changed)."""
+    return int(mgr._tables.counters_host()[CNT_DETACHES])
+
+
 # -- sanity ---------------------------------------------------------------------------------
 def check_sanity(mgr):
-    """Verify the tree and slot invariants of semantics.md §3 (1-7, 10) and
+    """Verify the tree and slot invariants of docs/semantics.md §3 (1-7, 10) and
     the consistency of both indexes (child keys, siblings by first token).
 
     Raises AssertionError naming the broken invariant."""
@@ -371,6 +490,34 @@ def committed_page_is_linked(kv, ordinal: int, life_cycle_id: int):
     return bool(row[PAGE_BLOCK] != NULL)
 
 
+def committed_blocks(kv) -> list:
+    """Per block ordinal of the cache, the tree block it is committed as (a
+    ``BlockRef`` to the block now in that row), or None while uncommitted."""
+    from .kernels.seq import Q_NUM_BLOCKS
+
+    n = int(kv._scalars[Q_NUM_BLOCKS])
+    rows = kv._backend.to_host(kv._q.tree[:n])
+    return [None if r == NULL else kv._mgr._tree.ref(int(r)) for r in rows]
+
+
+def planned_pages(plan) -> list:
+    """``[(life cycle, pool index)]`` of the pages a planned drop names that are
+    still the committed pages it was made for, in plan order."""
+    mgr = plan._mgr
+    rows = mgr._backend.to_host(mgr._tables.pages)
+    out = []
+    for p, serial in plan._pages:
+        if rows[p, PAGE_SERIAL] == serial and rows[p, PAGE_STATE] == PAGE_COMMITTED:
+            out.append((int(rows[p, PAGE_LIFE_CYCLE]), int(rows[p, PAGE_POOL_INDEX])))
+    return out
+
+
+def free_pages(mgr, life_cycle_id: int, level: int = 0) -> int:
+    """Free storage slots of the life cycle's pool at a cache level (0 = GPU)."""
+    mgr._tree._check_lc(life_cycle_id)
+    return int(mgr._backend.to_host(mgr._tables.pool_top)[2 * life_cycle_id + level])
+
+
 # -- KV cache events ---------------------------------------------------------------------------
 def event_manager_add_stored_block(mgr, block: BlockRef):
     """Feed a (test) block to the event manager's whole-block stored path, as a
@@ -390,3 +537,84 @@ def event_manager_add_stored_life_cycle(mgr, block: BlockRef, life_cycle_id: int
     from .core.layout import EV_STORED_LIFE_CYCLE
 
     mgr._tree.announce(block, EV_STORED_LIFE_CYCLE, life_cycle_id)
+
+
+def event_manager(mgr):
+    """The manager's ``KVCacheEventManager`` (None when events are off), to feed
+    it directly or flush its iteration as a scheduler step would."""
+    return mgr._events
+
+
+def announced(mgr) -> set:
+    """``{(event block hash, life cycle)}``: what the event manager believes it
+    has announced and not removed (empty when events are off)."""
+    em = mgr._events
+    if em is None:
+        return set()
+    return {(s.block_hash, lc) for s in em._stored.values() for lc in s.life_cycles}
+
+
+# -- the manager -------------------------------------------------------------------------------
+def num_open_caches(mgr) -> int:
+    """KV caches created and not closed yet."""
+    return len(mgr._open_caches)
+
+
+# -- the token arena ---------------------------------------------------------------------------
+_ARENA_FIELDS = {
+    "start": "start",  # where the segment starts, in tokens
+    "length": "length",  # tokens
+    "capacity_blocks": "cap_blocks",  # the segment's room
+    "hashed_blocks": "hashed",  # leading full blocks whose hashes are computed
+    "memoized_blocks": "verified",  # leading full blocks whose matched rows are remembered
+    "live": "live",
+}
+
+
+def sequence_slot(seq) -> int:
+    """The arena slot of a registered ``TokenSequence`` (recycled on release)."""
+    return seq._slot
+
+
+def arena_slot(mgr, slot: int) -> dict:
+    """One arena slot's state: ``start``, ``length``, ``capacity_blocks``,
+    ``hashed_blocks``, ``memoized_blocks`` (ints) and ``live`` (bool)."""
+    a = mgr._arena
+    return {name: getattr(a, attr)[slot].item() for name, attr in _ARENA_FIELDS.items()}
+
+
+def sequence_state(seq) -> dict:
+    """``arena_slot`` of a registered sequence's slot."""
+    a = seq._arena
+    return {name: getattr(a, attr)[seq._slot].item() for name, attr in _ARENA_FIELDS.items()}
+
+
+def arena_state(mgr) -> dict:
+    """Copies of every slot's state (the fields of ``arena_slot``, as arrays)
+    and the arena's size: enough to tell that a call changed nothing."""
+    a = mgr._arena
+    out = {name: getattr(a, attr).copy() for name, attr in _ARENA_FIELDS.items()}
+    out["capacity_blocks_total"] = arena_capacity_blocks(mgr)
+    return out
+
+
+def arena_capacity_blocks(mgr) -> int:
+    """How many blocks of tokens (and block hashes) the arena holds in all."""
+    return int(mgr._arena.hashes.shape[0])
+
+
+def record_hash_launches(mgr) -> list:
+    """From now on, append to the returned list the number of blocks each
+    block-hashing launch of this manager hashes."""
+    launches = []
+    matcher = mgr._matcher
+    kernels = matcher.kernels
+    inner = kernels.hash_blocks
+
+    def hash_blocks(toks, src, dst, first, hashes, T, total, *rest):
+        launches.append(int(total))
+        return inner(toks, src, dst, first, hashes, T, total, *rest)
+
+    # The kernels namespace is shared between managers: give this one its own.
+    matcher.kernels = SimpleNamespace(**{**vars(kernels), "hash_blocks": hash_blocks})
+    return launches

@@ -6,7 +6,7 @@ attention page holds the "KV" of the token at offset ``i`` of its block; slot 0 
 an SSM page holds the recurrent state. The value written for life cycle ``lc`` at
 absolute position ``p`` is ``token_value(lc, p, tokens[:p + 1])``: a 64-bit hash of
 everything the model has seen up to ``p``, so a page copied from the wrong place,
-never written, or written by another prefix reads back wrong (semantics.md §3
+never written, or written by another prefix reads back wrong (docs/semantics.md §3
 invariant 15, scenarios P3, D6, D8).
 
 - ``Engine.run(kv, tokens_all, start, end)`` is one model step over positions
@@ -77,7 +77,7 @@ def token_value(lc: int, pos: int, prefix) -> int:
 
 
 # ---------------------------------------------------------------------------
-# stale ranges (semantics.md §1.5), from the public layer specs
+# stale ranges (docs/semantics.md §1.5), from the public layer specs
 # ---------------------------------------------------------------------------
 
 
@@ -261,7 +261,7 @@ class Engine:
         (digest) tokens are skipped."""
         T = self.T
         t = introspect.tables(self.mgr)
-        blocks, toks, slots, pages = t["blocks"], t["tokens"], t["slots"], t["pages"]
+        blocks, toks, slots, pages = t["blocks"], t["tokens"], t["block_slots"], t["pages"]
         L = len(self.specs)
         flags = blocks["flags"]
         rows = attached_rows(blocks)
@@ -289,7 +289,7 @@ class Engine:
                 ds.append(d)
             end_digest[int(r)] = d
             for lc in range(L):
-                pg, cov = int(slots["page"][r * L + lc]), int(slots["coverage"][r * L + lc])
+                pg, cov = int(slots[r, lc]["page"]), int(slots[r, lc]["coverage"])
                 if pg < 0:
                     continue
                 words = gpu if int(pages["level"][pg]) == 0 else host
@@ -332,15 +332,13 @@ def _key(blocks, row) -> bytes:
     return np.ascontiguousarray(blocks["digest"][row]).astype("<i8").tobytes()
 
 
-def chain_covs(mgr, tokens, scope=None) -> list:
-    """The exact-key chain of ``tokens`` among attached blocks: one
-    ``(len(block.tokens), coverage per life cycle)`` per block, stopping at the
-    first key not in the tree (no partial matching, no pruning)."""
+def chain_rows(mgr, tokens, scope=None) -> list:
+    """The rows of the exact-key chain of ``tokens`` among attached blocks, one
+    per block, stopping at the first key not in the tree (no partial matching,
+    no pruning)."""
     import gpukv  # noqa: PLC0415
 
-    t = introspect.tables(mgr)
-    blocks, slots = t["blocks"], t["slots"]
-    L = len(mgr.life_cycles)
+    blocks = introspect.tables(mgr)["blocks"]
     by_key = {_key(blocks, r): int(r) for r in attached_rows(blocks)}
     out = []
     for i, (_, key) in enumerate(gpukv.sequence_to_blockchain_keys(mgr.tokens_per_block, scope, list(tokens))):
@@ -349,18 +347,25 @@ def chain_covs(mgr, tokens, scope=None) -> list:
         r = by_key.get(key)
         if r is None:
             break
-        out.append((int(blocks["num_tokens"][r]), tuple(int(slots["coverage"][r * L + lc]) for lc in range(L))))
+        out.append(r)
     return out
+
+
+def chain_covs(mgr, tokens, scope=None) -> list:
+    """The exact-key chain of ``tokens`` (``chain_rows``): one
+    ``(len(block.tokens), coverage per life cycle)`` per block."""
+    t = introspect.tables(mgr)
+    blocks, slots = t["blocks"], t["block_slots"]
+    return [(int(blocks["num_tokens"][r]), tuple(int(c) for c in slots["coverage"][r])) for r in chain_rows(mgr, tokens, scope)]
 
 
 def attached_blocks(mgr) -> dict:
     """``{key: (tokens, coverage per life cycle)}`` for every attached non-root block."""
     t = introspect.tables(mgr)
-    blocks, toks, slots = t["blocks"], t["tokens"], t["slots"]
-    L = len(mgr.life_cycles)
+    blocks, toks, slots = t["blocks"], t["tokens"], t["block_slots"]
     out = {}
     for r in attached_rows(blocks):
         key = _key(blocks, r)
         n = int(blocks["num_tokens"][r])
-        out[key] = (tuple(int(x) for x in toks[r, :n]), tuple(int(slots["coverage"][r * L + lc]) for lc in range(L)))
+        out[key] = (tuple(int(x) for x in toks[r, :n]), tuple(int(c) for c in slots["coverage"][r]))
     return out

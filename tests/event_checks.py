@@ -1,4 +1,4 @@
-"""Consistency checks on a stream of KV cache events (semantics.md §3 invariant 16).
+"""Consistency checks on a stream of KV cache events (docs/semantics.md §3 invariant 16).
 
 A consumer (a router) rebuilds each layer group's set of cached blocks from the
 events alone, so the stream must never remove what it did not store:
@@ -77,7 +77,7 @@ class TreeBlock:
 def tree_blocks(mgr) -> dict:
     """``{key: TreeBlock}`` for every attached non-root block of ``mgr``."""
     t = introspect.tables(mgr)
-    blocks, toks, slots, pages = t["blocks"], t["tokens"], t["slots"], t["pages"]
+    blocks, toks, slots, pages = t["blocks"], t["tokens"], t["block_slots"], t["pages"]
     L = len(mgr.config.life_cycles)
     flags = blocks["flags"]
     live = (flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)
@@ -91,7 +91,7 @@ def tree_blocks(mgr) -> dict:
         if x >= 0:
             return UniqueToken(x)
         if x not in digests:
-            digests[x] = mgr._tables.digest_of_token(x).hex()
+            digests[x] = introspect.token_digest(mgr, x).hex()
         return UniqueToken(digests[x])
 
     out = {}
@@ -101,8 +101,8 @@ def tree_blocks(mgr) -> dict:
         n = int(blocks["num_tokens"][r])
         cov, level = [], []
         for lc in range(L):
-            page = int(slots["page"][r * L + lc])
-            cov.append(0 if page == NULL else int(slots["coverage"][r * L + lc]))
+            page = int(slots[r, lc]["page"])
+            cov.append(0 if page == NULL else int(slots[r, lc]["coverage"]))
             level.append(None if page == NULL else int(pages["level"][page]))
         k = key(r)
         out[k] = TreeBlock(k, parent, tuple(token(int(x)) for x in toks[r, :n]), tuple(cov), tuple(level))
@@ -120,7 +120,7 @@ class EventTracker:
     ``drain()`` takes the manager's latest events and checks the stream
     (``feed``); ``check_tree()`` then checks the state the stream describes
     against the tree. The rules, each exact at every point between two
-    manager calls (semantics.md §3 invariant 16 and §4):
+    manager calls (docs/semantics.md §3 invariant 16 and §4):
 
     Stream (``feed``):
     - event ids increase by one (nothing was dropped: the cap must be large);
@@ -232,9 +232,8 @@ class EventTracker:
             assert tokens == b.tokens, f"{h!r}: the stored tokens are not the block's full token list"
             want_mm = tuple(dict.fromkeys(t.token_id for t in b.tokens if isinstance(t.token_id, str)))
             assert mm_keys == want_mm, f"{h!r}: mm_keys {mm_keys}, the block's digests {want_mm}"
-        em = self.mgr._events
-        if em is not None:
-            state = {(s.block_hash, lc) for s in em._stored.values() for lc in s.life_cycles}
+        if introspect.event_manager(self.mgr) is not None:
+            state = introspect.announced(self.mgr)
             assert state == set(self.announced), (
                 f"the event manager's state and the stream differ: only in the manager "
                 f"{state - set(self.announced)}, only in the stream {set(self.announced) - state}"

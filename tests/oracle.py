@@ -1,14 +1,14 @@
 """A plain-Python model of the block radix tree, written to follow
-``/work/shared/docs/semantics.md`` literally.
+``docs/semantics.md`` literally.
 
 This is the correctness reference for gpukv: randomised differential tests replay
 the same operations on this oracle and on the array/kernel implementation and
 compare every observable result. It is written for clarity, not speed: objects,
-insertion-ordered dicts and loops that read like the pseudo-code in semantics.md.
+insertion-ordered dicts and loops that read like the pseudo-code in docs/semantics.md.
 
 It deliberately imports nothing from ``gpukv``; keys are computed with ``hashlib``.
 
-Section references (§) are to semantics.md.
+Section references (§) are to docs/semantics.md.
 
 Scope of the model
 ------------------

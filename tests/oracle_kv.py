@@ -1,6 +1,6 @@
 """A plain-Python model of the KV cache manager's *sequence layer*, on top of the
 block-radix-tree oracle in ``tests/oracle.py``, written to follow
-``/work/shared/docs/semantics.md`` literally.
+``docs/semantics.md`` literally.
 
 It is the reference for differential tests of gpukv's ``KVCacheManager`` /
 ``KVCache``: the same operations replayed here and on the real implementation must
@@ -8,7 +8,7 @@ give the same reuse lengths, the same tree (blocks and per-life-cycle coverages)
 the same page presence per sequence block, and the same answers to the test hooks.
 It is written for clarity, not speed, and imports nothing from ``gpukv``.
 
-Section references (§) are to semantics.md.
+Section references (§) are to docs/semantics.md.
 
 What is modelled
 ----------------
@@ -38,7 +38,7 @@ colder cache levels (host/disk) and migration, priorities (all pages have the
 default priority, so eviction is plain LRU), KV cache events (§4) and statistics
 (M2/M3), and the implicit "destroying an undropped plan applies the drop".
 
-Choices where semantics.md is silent or ambiguous
+Choices where docs/semantics.md is silent or ambiguous
 -------------------------------------------------
 1. ``commit()`` raises the history to ``N1`` in every commit state. The pseudo-code
    skips it under VIRTUAL_STOP, which would break invariant 11
@@ -319,6 +319,18 @@ class KVOracle:
         ``pages[i]`` None or ``(page id, coverage)`` for matched block ``i``."""
         m = self.tree.match(scope, list(tokens), enable_partial, 0)
         return m.num_tokens, [None if b.slots[lc] is None else (b.slots[lc].slot, b.slots[lc].coverage) for b in m.blocks]
+
+    def shutdown(self) -> None:
+        """Clear the tree for good; refused (and nothing changes) while caches are open."""
+        n = len(self._caches)
+        if n:
+            raise LogicError(f"shutdown(): {n} KV cache(s) still open")
+        self.tree.clear()
+        self._gc()
+
+    def page_at(self, lc: int, slot: int):
+        """The live page (committed or not) that uses pool slot ``slot`` of ``lc``."""
+        return self._slot_owner[lc][slot]
 
     def free_pages(self, lc: int) -> int:
         return len(self._free[lc])

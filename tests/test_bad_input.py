@@ -1,4 +1,4 @@
-"""Bad input is rejected with a clear error and changes nothing (api.md, "Bad input").
+"""Bad input is rejected with a clear error and changes nothing (docs/api.md, "Bad input").
 
 Every case asserts the exception type, that the message names the problem
 (and the request index where the API has one), and that the device tables
@@ -38,13 +38,13 @@ def snapshot(mgr) -> dict:
 def rejected(mgr, exc, match):
     """The call raises ``exc`` with ``match`` in its message and leaves every table as it was."""
     before = snapshot(mgr)
-    scopes = dict(mgr._tree._scope_ids)
+    scopes = introspect.interned_scopes(mgr)
     with pytest.raises(exc, match=match):
         yield
     after = snapshot(mgr)
     for name in before:
         assert np.array_equal(before[name], after[name]), f"table {name} changed"
-    assert mgr._tree._scope_ids == scopes, "a scope was interned"
+    assert introspect.interned_scopes(mgr) == scopes, "a scope was interned"
     introspect.check_sanity(mgr)
 
 
@@ -105,14 +105,14 @@ def test_bad_tokens_are_rejected_by_the_tree_and_the_arena(tokens, exc, msg):
         introspect.insert_sequence(mgr, tokens)
     if len(tokens) <= T:
         with rejected(mgr, exc, msg):
-            mgr._tree.add(tokens, parent=a)
+            introspect.add_block(mgr, tokens, parent=a)
     seq = mgr.token_sequence([1, 2, 3])
-    arena = {k: getattr(mgr._arena, k).copy() for k in ("start", "length", "cap_blocks", "hashed")}
+    arena = introspect.arena_state(mgr)
     with rejected(mgr, exc, msg):
         seq.extend(tokens)
     assert len(seq) == 3 and seq.tokens.tolist() == [1, 2, 3]
-    for k, v in arena.items():
-        assert np.array_equal(getattr(mgr._arena, k), v), k
+    for k, v in introspect.arena_state(mgr).items():
+        assert np.array_equal(arena[k], v), k
     with pytest.raises(exc, match=msg):
         mgr.token_sequence(tokens)
 
@@ -149,11 +149,12 @@ def test_bool_tokens_are_rejected_in_lists_as_in_arrays(tokens, pos):
 
 def test_a_rejected_request_interns_no_digest():
     mgr, *_ = small_tree()
-    before = (mgr._tables.num_mm_digests, mgr._tables.mm_digests.copy())
+    before = introspect.interned_digests(mgr)
     with rejected(mgr, TokenError, r"request 0: token -1 at position 1"):
         mgr.probe_reuse([b"d" * 32, -1])
-    assert mgr._tables.num_mm_digests == before[0]
-    assert np.array_equal(mgr._tables.mm_digests, before[1])
+    after = introspect.interned_digests(mgr)
+    assert after[0] == before[0]
+    assert np.array_equal(after[1], before[1])
 
 
 @pytest.mark.parametrize("requests", ["abc", b"ab", 3, None, 2.5])
@@ -258,9 +259,9 @@ def test_empty_and_over_long_blocks(backend):
     for tokens in ([], [1, 2, 3]):
         n = len(tokens)
         with rejected(mgr, ValueError, rf"a block holds 1\.\.2 tokens, got {n}"):
-            mgr._tree.add(tokens)
+            introspect.add_block(mgr, tokens)
         with rejected(mgr, ValueError, rf"a block holds 1\.\.2 tokens, got {n}"):
-            mgr._tree.add(tokens, parent=b)
+            introspect.add_block(mgr, tokens, parent=b)
         with rejected(mgr, ValueError, rf"a block holds 1\.\.2 tokens, got {n}"):
             introspect.make_test_block(mgr, tokens, [0, 0])
 
@@ -268,31 +269,31 @@ def test_empty_and_over_long_blocks(backend):
 def test_unknown_stale_and_partial_parents(backend):
     mgr, a, b, c = small_tree(backend)
     with rejected(mgr, TypeError, r"parent must be a gpukv BlockRef, got int"):
-        mgr._tree.add([7], parent=a.row)
+        introspect.add_block(mgr, [7], parent=a.row)
     with rejected(mgr, TypeError, r"parent must be a gpukv BlockRef, got tuple"):
         introspect.make_test_block(mgr, [7], [1, 1], parent=(a.row, a.key))
     with rejected(mgr, ValueError, r"parent refers to row 1000000, outside the table"):
-        mgr._tree.add([7], parent=BlockRef(10**6, a.key))
+        introspect.add_block(mgr, [7], parent=BlockRef(10**6, a.key))
     with rejected(mgr, ValueError, r"parent refers to row -1, outside the table"):
-        mgr._tree.add([7], parent=BlockRef(-1, a.key))
+        introspect.add_block(mgr, [7], parent=BlockRef(-1, a.key))
     with rejected(mgr, ValueError, r"parent is stale: its block no longer exists"):
-        mgr._tree.add([7], parent=BlockRef(a.row, b.key))  # a live row, another block's key
+        introspect.add_block(mgr, [7], parent=BlockRef(a.row, b.key))  # a live row, another block's key
     with rejected(mgr, ValueError, r"parent is stale"):
-        mgr._tree.add([7], parent=BlockRef(200, a.key))  # a free row
+        introspect.add_block(mgr, [7], parent=BlockRef(200, a.key))  # a free row
     with rejected(mgr, ValueError, r"parent is a partial block \(1 of 2 tokens\)"):
-        mgr._tree.add([7], parent=c)
+        introspect.add_block(mgr, [7], parent=c)
     with rejected(mgr, ValueError, r"scope differs from the parent's scope"):
-        mgr._tree.add([7], parent=a, scope=ReuseScope(salt=1))
+        introspect.add_block(mgr, [7], parent=a, scope=ReuseScope(salt=1))
 
     # a removed block is a stale parent, even once its row is reused
-    mgr._tree.remove_subtree(b)
+    introspect.remove_subtree(mgr, b)
     introspect.check_sanity(mgr)
     with rejected(mgr, ValueError, r"parent is stale"):
         introspect.make_test_block(mgr, [7, 7], [2, 2], parent=b)
     d = introspect.make_test_block(mgr, [8, 8], [2, 2], parent=a)
     assert d.row == b.row and d.key != b.key
     with rejected(mgr, ValueError, r"block is stale"):
-        mgr._tree.remove_subtree(b)
+        introspect.remove_subtree(mgr, b)
     with rejected(mgr, ValueError, r"stale"):
         introspect.page_of(mgr, b, 0)
 
@@ -315,18 +316,18 @@ def test_bad_life_cycle_ids_and_coverages(backend):
     mgr, a, b, c = small_tree(backend)
     for lc in (2, -1, 1.0, "0", None):
         with rejected(mgr, ValueError, rf"life_cycle_id must be in 0\.\.1, got {lc!r}"):
-            mgr._tree.add_page(b, lc, 1)
+            introspect.add_page(mgr, b, lc, 1)
         with rejected(mgr, ValueError, r"life_cycle_id must be in 0\.\.1"):
-            mgr._tree.unlink_page(b, lc)
+            introspect.unlink_page(mgr, b, lc)
         with rejected(mgr, ValueError, r"life_cycle_id must be in 0\.\.1"):
-            mgr._tree.clear_stale_blocks_after_page_unlink(b, lc)
+            introspect.clear_stale_blocks_after_page_unlink(mgr, b, lc)
         with rejected(mgr, ValueError, r"life_cycle_id must be in 0\.\.1"):
             introspect.reuse_match_pages(mgr, [1, 2], lc)
     for cov in (0, 3, -1):
         with rejected(mgr, ValueError, rf"coverage must be in 1\.\.2 \(the block's tokens\), got {cov}"):
-            mgr._tree.add_page(b, 0, cov)
+            introspect.add_page(mgr, b, 0, cov)
     with rejected(mgr, ValueError, r"coverage must be in 1\.\.1 \(the block's tokens\), got 2"):
-        mgr._tree.add_page(c, 0, 2)  # c holds one token
+        introspect.add_page(mgr, c, 0, 2)  # c holds one token
 
     # make_test_block: one coverage per life cycle, each in 0..len(tokens)
     with rejected(mgr, ValueError, r"coverage_per_life_cycle needs one entry per life cycle \(2\), got 1"):
@@ -345,11 +346,11 @@ def test_page_death_of_pages_that_are_not_committed(backend):
     pages = introspect.tables(mgr)["pages"]
     free = int(np.nonzero(pages["state"] == PAGE_FREE)[0][0])
     with rejected(mgr, ValueError, r"page -1 does not exist"):
-        mgr._tree.page_death(-1)
+        introspect.page_death(mgr, -1)
     with rejected(mgr, ValueError, rf"page {pages.shape[0]} does not exist"):
-        mgr._tree.page_death(pages.shape[0])
+        introspect.page_death(mgr, pages.shape[0])
     with rejected(mgr, ValueError, rf"page {free} is not a committed page"):
-        mgr._tree.page_death(free)
+        introspect.page_death(mgr, free)
 
 
 def test_page_of_checks_the_life_cycle_id():
@@ -360,9 +361,9 @@ def test_page_of_checks_the_life_cycle_id():
 
 def test_add_page_rejects_a_float_coverage():
     mgr, a, b, c = small_tree()
-    mgr._tree.unlink_page(a, 1)
+    introspect.unlink_page(mgr, a, 1)
     with rejected(mgr, TypeError, r"coverage"):
-        mgr._tree.add_page(a, 1, 1.5)  # today: a page of coverage 1
+        introspect.add_page(mgr, a, 1, 1.5)  # today: a page of coverage 1
 
 
 # ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Hypothesis draws a model (tokens per block, life cycles) and a sequence of tree
 operations: add blocks (full and partial) under random parents with random
 per-life-cycle coverage, kill pages, remove subtrees, clear, and match random
 queries (partial on or off, with backoff). Every operation is applied to the
-plain-Python oracle (``tests/oracle.py``, semantics.md to the letter) and to a
+plain-Python oracle (``tests/oracle.py``, docs/semantics.md to the letter) and to a
 ``KVCacheManager`` on each backend; after each step the attached blocks with
 their per-life-cycle coverage, every match result and the removal records must
 be identical, and both sanity checkers must pass.
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import gpukv
 from gpukv import introspect
 from gpukv.kernels.sha256 import int64x4_to_digest
-from gpukv.core.layout import EV_REMOVED, EV_REMOVED_LIFE_CYCLE, FLAG_ATTACHED, FLAG_IN_USE, FLAG_ROOT
+from gpukv.core.layout import EV_REMOVED, EV_REMOVED_LIFE_CYCLE, FLAG_ATTACHED, FLAG_IN_USE, FLAG_ROOT, LOG
 from gpukv.tree import BlockRef
 
 import oracle as O
@@ -59,8 +59,7 @@ class Pair:
                 backend=backend,
             )
         )
-        self.log = []
-        self.mgr._tree.log_sink = self.log
+        self.log = introspect.record_log(self.mgr)
         self.oracle = O.Oracle(T, lcs)
         # Registered sequences kept across operations, so their memoized
         # matches must notice every change of the tree in between.
@@ -69,14 +68,14 @@ class Pair:
     # -- the two states, in one comparable shape ---------------------------------
     def gpukv_blocks(self) -> dict:
         t = introspect.tables(self.mgr)
-        blocks, slots, toks = t["blocks"], t["slots"], t["tokens"]
+        blocks, slots, toks = t["blocks"], t["block_slots"], t["tokens"]
         out = {}
         rows = np.nonzero((blocks["flags"] & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED))[0]
         for r in rows:
             if blocks["flags"][r] & FLAG_ROOT:
                 continue
             key = int64x4_to_digest(blocks["digest"][r])
-            cov = tuple(int(slots["coverage"][r * self.L + lc]) for lc in range(self.L))
+            cov = tuple(int(c) for c in slots["coverage"][r])
             out[key] = (int(r), tuple(int(x) for x in toks[r, : blocks["num_tokens"][r]]), cov)
         return out
 
@@ -94,11 +93,11 @@ class Pair:
         """Removal records, in order (the oracle groups a subtree removal in one
         event; gpukv logs one record per detached block)."""
         mine = []
-        for rec in self.log:
-            if rec[0] == EV_REMOVED:
-                mine.append(("removed", int64x4_to_digest(rec[3:7])))
-            elif rec[0] == EV_REMOVED_LIFE_CYCLE:
-                mine.append(("removed_lc", int64x4_to_digest(rec[3:7]), int(rec[1])))
+        for rec in LOG.view(np.array(self.log, dtype=np.int64).reshape(-1, LOG.width)):
+            if rec["kind"] == EV_REMOVED:
+                mine.append(("removed", int64x4_to_digest(rec["digest"])))
+            elif rec["kind"] == EV_REMOVED_LIFE_CYCLE:
+                mine.append(("removed_lc", int64x4_to_digest(rec["digest"]), int(rec["life_cycle"])))
         theirs = []
         for ev in self.oracle.events:
             if ev[0] == "removed":
@@ -112,7 +111,7 @@ class Pair:
         key_of_row = {v[0]: k for k, v in self.gpukv_blocks().items()}
         for (query, pick, partial, backoff), seq in self.sequences.items():
             want = self.oracle.match(ORACLE_SCOPES[pick], list(query), partial, backoff)
-            got = self.mgr._matcher.match([seq], SCOPES[pick], partial=partial, backoff=backoff).to_host()
+            got = introspect.match_batch(self.mgr, [seq], SCOPES[pick], partial=partial, backoff=backoff).to_host()
             assert int(got.num_tokens[0]) == want.num_tokens, f"registered sequence {query}"
             assert [key_of_row[int(r)] for r in got.blocks(0)] == [b.key for b in want.blocks]
 
@@ -149,7 +148,7 @@ class Pair:
         k, r, b = with_pages[pick % len(with_pages)]
         lc %= self.L
         page = introspect.page_of(self.mgr, BlockRef(r, k), lc)[0]
-        self.mgr._tree.page_death(page)
+        introspect.page_death(self.mgr, page)
         self.oracle.page_death(b.slots[lc])
         self.oracle.release_orphans()
 
@@ -158,12 +157,12 @@ class Pair:
         if not blocks:
             return
         k, r, b = blocks[pick % len(blocks)]
-        self.mgr._tree.remove_subtree(BlockRef(r, k))
+        introspect.remove_subtree(self.mgr, BlockRef(r, k))
         self.oracle.remove_subtree(b)
         self.oracle.release_orphans()
 
     def clear(self):
-        self.mgr._tree.clear()
+        self.mgr.clear_reusable_blocks()
         self.oracle.clear()
         self.oracle.release_orphans()
 
@@ -180,7 +179,7 @@ class Pair:
             prefix = [t for blk in reversed(chain) for t in blk]
         query = prefix + list(suffix)
         want = self.oracle.match(oscope, query, partial, backoff)
-        got = self.mgr._matcher.match([query], scope, partial=partial, backoff=backoff).to_host()
+        got = introspect.match_batch(self.mgr, [query], scope, partial=partial, backoff=backoff).to_host()
         assert int(got.num_tokens[0]) == want.num_tokens, f"num_tokens for {query}"
         assert int(got.num_lookup_tokens[0]) == want.num_lookup_tokens
         assert int(got.num_tokens_before_pruning[0]) == want.num_tokens_before_pruning

@@ -1,4 +1,4 @@
-"""KV cache events (semantics.md §4; scenarios E1-E7 of §6.4).
+"""KV cache events (docs/semantics.md §4; scenarios E1-E7 of §6.4).
 
 The event manager is driven here with change-log records written by ``Log``
 below, exactly as the tree kernel lays them out (``gpukv.core.layout.LOG``): a

@@ -1,4 +1,4 @@
-"""KV cache events from a real manager (semantics.md §4, §6.4, §3 invariant 16).
+"""KV cache events from a real manager (docs/semantics.md §4, §6.4, §3 invariant 16).
 
 ``test_events.py`` drives the event manager with synthetic change-log records;
 here the records come from the kernels: commits, partial snapshots, clears,
@@ -49,11 +49,13 @@ from gpukv.events import (
 from gpukv.core.hashing import sequence_to_blockchain_keys
 
 try:  # tests/ is on sys.path under pytest's default import mode
+    import scenario_rigs
     import test_kvcache_differential as differential
     import test_kvcache_scenarios as scenarios
     from conftest import make_manager
     from event_checks import EventTracker, check_event_consistency
 except ImportError:  # pragma: no cover - if tests/ becomes a package
+    from tests import scenario_rigs
     from tests import test_kvcache_differential as differential
     from tests import test_kvcache_scenarios as scenarios
     from tests.conftest import make_manager
@@ -137,7 +139,7 @@ def test_e9_stored_events_match_the_hash_chain():
     ]
     check_event_consistency(events)
     # An updated event keyed by the block key reports the same hash.
-    mgr._events.add_updated_event(bytes.fromhex(h0), cache_level=Diff(0, 1), layer_group_id=0)
+    introspect.event_manager(mgr).add_updated_event(bytes.fromhex(h0), cache_level=Diff(0, 1), layer_group_id=0)
     (updated,) = mgr.get_latest_events()
     assert updated.data == KVCacheUpdatedData(h0, Diff(0, 1), None)
     assert (updated.event_id, updated.layer_group_id) == (2, 0)
@@ -260,7 +262,7 @@ def test_evicting_a_parent_removes_its_subtree_in_one_event():
     mgr, tracker, tokens, (h0, h1) = two_cached_blocks()
     tracker.drain()
     b0_page, _ = introspect.reuse_match_pages(mgr, tokens, 0)[1][0]
-    mgr._tree.page_death(b0_page)  # full attention: nothing below B0 is reusable any more
+    introspect.page_death(mgr, b0_page)  # full attention: nothing below B0 is reusable any more
     assert brief(tracker.drain()) == [("removed", 0, (h1, h0))]  # leaves first
     tracker.check_tree()
 
@@ -304,7 +306,7 @@ def test_the_queue_keeps_the_newest_events():
     prompts = [[k, 1, 2, 3] for k in range(4)]  # four roots' children: nothing coalesces
     hashes = [chain_hashes(4, p)[0] for p in prompts]
     commit_turn(mgr, prompts[0])
-    mgr._events.flush_iteration_events()  # created + stored(0) reach the queue, which keeps both
+    introspect.event_manager(mgr).flush_iteration_events()  # created + stored(0) reach the queue, which keeps both
     commit_turn(mgr, prompts[1])
     commit_turn(mgr, prompts[2])
     commit_turn(mgr, prompts[3])  # queued at the next flush: the two oldest go
@@ -354,13 +356,13 @@ def test_e2_real_removed_events_per_life_cycle(blocks_mgr):
     b = introspect.make_test_block(mgr, [1, 2], [2, 2])
     h = b.key.hex()
     introspect.event_manager_add_stored_block(mgr, b)
-    mgr._tree.page_death(page(mgr, b, 0))  # an SWA (non-sink) page: the block stays
+    introspect.page_death(mgr, page(mgr, b, 0))  # an SWA (non-sink) page: the block stays
     assert brief(tracker.drain()) == [("stored", 0, (h,)), ("stored", 1, (h,)), ("removed", 0, (h,))]
     tracker.check_tree()
     # lc1's page death removes the whole block (full attention); removing
     # lc1 once more is silent.
-    mgr._tree.page_death(page(mgr, b, 1))
-    mgr._events.add_removed_life_cycle_event(b.key, 1)
+    introspect.page_death(mgr, page(mgr, b, 1))
+    introspect.event_manager(mgr).add_removed_life_cycle_event(b.key, 1)
     assert brief(tracker.drain()) == [("removed", 1, (h,))]
     tracker.check_tree()
 
@@ -370,11 +372,11 @@ def test_e3_real_whole_block_removal_clears_the_life_cycle_state(blocks_mgr):
     b = introspect.make_test_block(mgr, [1, 2], [2, 2])
     h = b.key.hex()
     introspect.event_manager_add_stored_block(mgr, b)
-    mgr._tree.page_death(page(mgr, b, 0))
-    mgr._tree.remove_subtree(b)
+    introspect.page_death(mgr, page(mgr, b, 0))
+    introspect.remove_subtree(mgr, b)
     with pytest.raises(ValueError, match="stale"):  # the block is gone: a second removal cannot happen
-        mgr._tree.remove_subtree(b)
-    mgr._events.add_removed_event([b.key])  # ... and one fed directly is ignored
+        introspect.remove_subtree(mgr, b)
+    introspect.event_manager(mgr).add_removed_event([b.key])  # ... and one fed directly is ignored
     events = mgr.get_latest_events()
     assert brief(events) == [("stored", 0, (h,)), ("stored", 1, (h,)), ("removed", 0, (h,)), ("removed", 1, (h,))]
     check_event_consistency(events)
@@ -398,8 +400,8 @@ def test_e7_real_the_registry_is_used_for_removal(blocks_mgr):
     b = introspect.make_test_block(mgr, [1, 2], [2, 0])
     h = b.key.hex()
     introspect.event_manager_add_stored_block(mgr, b)
-    mgr._tree.remove_subtree(b)
-    mgr._events.add_removed_event([b.key])
+    introspect.remove_subtree(mgr, b)
+    introspect.event_manager(mgr).add_removed_event([b.key])
     events = mgr.get_latest_events()
     assert brief(events) == [("stored", 0, (h,)), ("removed", 0, (h,))]
     check_event_consistency(events)
@@ -414,7 +416,7 @@ def test_real_stored_life_cycle_path(blocks_mgr):
     h = b.key.hex()
     introspect.event_manager_add_stored_life_cycle(mgr, b, 1)  # not announced yet: whole-block path
     assert brief(tracker.drain()) == [("stored", 0, (h,))]
-    mgr._tree.add_page(b, 1, 2)  # lc1 now covers the block (a rebase would install it so)
+    introspect.add_page(mgr, b, 1, 2)  # lc1 now covers the block (a rebase would install it so)
     introspect.event_manager_add_stored_life_cycle(mgr, b, 1)
     introspect.event_manager_add_stored_life_cycle(mgr, b, 1)
     introspect.event_manager_add_stored_life_cycle(mgr, b, 0)
@@ -441,7 +443,7 @@ def test_introspect_announce_hooks_validate(blocks_mgr):
     b = introspect.make_test_block(mgr, [1, 2], [2, 2])
     with pytest.raises(ValueError, match="life_cycle_id"):
         introspect.event_manager_add_stored_life_cycle(mgr, b, 2)
-    mgr._tree.remove_subtree(b)
+    introspect.remove_subtree(mgr, b)
     with pytest.raises(ValueError, match="stale"):
         introspect.event_manager_add_stored_block(mgr, b)
 
@@ -561,8 +563,9 @@ def test_conversation_events_with_a_host_tier_are_consistent_long(config, seed):
 
 
 def _scenario_cases():
-    """Every test of ``test_kvcache_scenarios.py``, on cpu, with its
-    parametrizations expanded: ``(id, function, kwargs)``."""
+    """Every test of ``test_kvcache_scenarios.py`` on ``cpu`` (the ``cpu`` side of
+    the scenarios played on every side), with its parametrizations expanded:
+    ``(id, function, kwargs)``."""
     cases = []
     for name, fn in sorted(vars(scenarios).items()):
         if not name.startswith("test_") or not inspect.isfunction(fn):
@@ -575,10 +578,9 @@ def _scenario_cases():
             names = [s.strip() for s in names.split(",")] if isinstance(names, str) else list(names)
             values = [v.values if hasattr(v, "values") else (v if len(names) > 1 else (v,)) for v in mark.args[1]]
             grids = [{**g, **dict(zip(names, v))} for g, v in itertools.product(grids, values)]
+        grids = [g for g in grids if g.get("side", "cpu") == "cpu"]
         params = set(inspect.signature(fn).parameters)
         for i, kwargs in enumerate(grids):
-            if "backend" in params:
-                kwargs = {**kwargs, "backend": "cpu"}
             if set(kwargs) != params:
                 continue  # a fixture this module does not provide
             cases.append(pytest.param(fn, kwargs, id=f"{name}[{i}]" if len(grids) > 1 else name))
@@ -601,7 +603,7 @@ def test_scenario_events_are_consistent(scenario, kwargs, monkeypatch):
     attention lower bound) runs at every ``Rig.check`` and at the end; with
     no cache left open, a clear must remove everything that was announced."""
     trackers = []
-    make = scenarios.make_manager
+    make = scenario_rigs.make_manager
 
     def with_events(backend="cpu", **config):
         config["max_kv_event_entries"] = MANY
@@ -609,7 +611,7 @@ def test_scenario_events_are_consistent(scenario, kwargs, monkeypatch):
         trackers.append(EventTracker(mgr))
         return mgr
 
-    check = scenarios.Rig.check
+    check = scenario_rigs.ManagerRig.check
 
     def check_with_events(rig):
         check(rig)
@@ -617,12 +619,12 @@ def test_scenario_events_are_consistent(scenario, kwargs, monkeypatch):
             if t.mgr is rig.mgr:
                 step_with_attention_lower_bound(t)
 
-    monkeypatch.setattr(scenarios, "make_manager", with_events)
-    monkeypatch.setattr(scenarios.Rig, "check", check_with_events)
+    monkeypatch.setattr(scenario_rigs, "make_manager", with_events)
+    monkeypatch.setattr(scenario_rigs.ManagerRig, "check", check_with_events)
     scenario(**kwargs)
     for t in trackers:
         step_with_attention_lower_bound(t)
-        if not t.mgr._open_caches:
+        if not introspect.num_open_caches(t.mgr):
             t.mgr.clear_reusable_blocks()
             t.step()
             assert t.announced == {}

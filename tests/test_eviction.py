@@ -1,4 +1,4 @@
-"""Eviction under memory pressure, priorities and the host tier (semantics.md
+"""Eviction under memory pressure, priorities and the host tier (docs/semantics.md
 §2.7, §2.8, §2.11).
 
 Scenario tests with small pools whose outcome is worked out by hand; the

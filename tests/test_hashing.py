@@ -1,7 +1,7 @@
 """Block keys: the reference SHA-256 chain on the host (D12) and in kernels.
 
 Expected values are computed with hashlib directly from the byte layout in
-semantics.md §1.2, never with the code under test.
+docs/semantics.md §1.2, never with the code under test.
 """
 
 from __future__ import annotations

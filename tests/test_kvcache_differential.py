@@ -1,6 +1,6 @@
 """Differential tests of the sequence layer: random multi-turn conversations with
 rewinds, replayed in lockstep on the plain-Python model ``KVOracle``
-(``tests/oracle_kv.py``, semantics.md to the letter) and on gpukv (``cpu``).
+(``tests/oracle_kv.py``, docs/semantics.md to the letter) and on gpukv (``cpu``).
 
 A workload re-enters earlier conversations at random endpoints (often mid-block),
 runs chunked prefills and generation steps with speculative tokens that get partly

@@ -1,4 +1,4 @@
-"""Scenario tests of reuse matching (semantics.md §2.3 walk, §2.4 prune and
+"""Scenario tests of reuse matching (docs/semantics.md §2.3 walk, §2.4 prune and
 backoff), on ``cpu`` and on the CUDA kernels (``cudasim``).
 
 Each scenario builds a tiny tree with ``introspect.make_test_block`` (pages of

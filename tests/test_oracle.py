@@ -1,5 +1,5 @@
 """Scenario tests of the plain-Python oracle (tests/oracle.py) against the worked
-examples of /work/shared/docs/semantics.md. Each test sets up a tree, acts, and
+examples of docs/semantics.md. Each test sets up a tree, acts, and
 asserts concrete numbers; every test ends with ``check_sanity``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``TokenSequence`` and the device token arena (gpukv/arena.py, api.md).
+"""``TokenSequence`` and the device token arena (gpukv/arena.py, docs/api.md).
 
 A scheduler keeps one registered sequence per request and extends it as
 tokens arrive; matching registered sequences copies nothing from the host and
@@ -12,14 +12,12 @@ foreign sequences are refused.
 from __future__ import annotations
 
 import gc
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import gpukv
 from gpukv import Attention, TokenSequence, introspect
-from gpukv.core.layout import CNT_DETACHES
 
 try:  # works whether or not tests/ is a package
     from tests.conftest import make_manager
@@ -33,17 +31,17 @@ def host(a) -> list:
 
 def count_hashing(mgr) -> list:
     """Record the number of blocks each hash launch of this manager hashes."""
-    launches = []
-    k = mgr._matcher.kernels
-    inner = k.hash_blocks
+    return introspect.record_hash_launches(mgr)
 
-    def hash_blocks(toks, src, dst, first, hashes, T, total, *rest):
-        launches.append(int(total))
-        return inner(toks, src, dst, first, hashes, T, total, *rest)
 
-    # the kernels namespace is shared between managers: give this one its own
-    mgr._matcher.kernels = SimpleNamespace(**{**vars(k), "hash_blocks": hash_blocks})
-    return launches
+def hashed(seq) -> int:
+    """Leading full blocks of ``seq`` whose hashes are computed."""
+    return introspect.sequence_state(seq)["hashed_blocks"]
+
+
+def memoized(seq) -> int:
+    """Leading full blocks of ``seq`` whose matched rows are remembered."""
+    return introspect.sequence_state(seq)["memoized_blocks"]
 
 
 def tree_manager(backend, T=4):
@@ -100,12 +98,11 @@ def test_many_sequences_past_the_initial_capacity_still_match(backend):
     moves their segments. Hashes computed before a move must move with it."""
     T = 4
     mgr, p1, p2 = tree_manager(backend, T)
-    arena = mgr._arena
-    cap0 = arena.hashes.shape[0]
+    cap0 = introspect.arena_capacity_blocks(mgr)
     n = 300
     prompts = [(p1 if i % 2 else p2)[: 5 + i % 7] for i in range(n)]
     seqs = [mgr.token_sequence(p) for p in prompts]
-    assert arena.hashes.shape[0] > cap0  # the arena grew
+    assert introspect.arena_capacity_blocks(mgr) > cap0  # the arena grew
     assert all(host(s.tokens) == p for s, p in zip(seqs, prompts))
 
     checked = range(0, n, 1 if backend == "cpu" else 37)  # the simulator is slow: a sample
@@ -141,20 +138,19 @@ def test_compaction_keeps_hashes_of_moved_sequences(backend):
     sequences, already hashed, are packed to new places."""
     T = 4
     mgr, p1, p2 = tree_manager(backend, T)
-    arena = mgr._arena
     front = [mgr.token_sequence([0]) for _ in range(50)]
     a = mgr.token_sequence(p1)
     b = mgr.token_sequence(p2)
     back = [mgr.token_sequence([0]) for _ in range(150)]  # 202 segments of 4 blocks
     assert mgr.match_batch([a, b]).to_host().num_tokens.tolist() == [12, 12]
-    assert arena.hashed[a._slot] == 3 and arena.hashed[b._slot] == 3
+    assert hashed(a) == 3 and hashed(b) == 3
     launches = count_hashing(mgr)
-    start_a, cap0 = int(arena.start[a._slot]), arena.hashes.shape[0]
+    start_a, cap0 = introspect.sequence_state(a)["start"], introspect.arena_capacity_blocks(mgr)
     for f in front:
         f.release()
     big = mgr.token_sequence([9] * (300 * T))  # a fresh 300-block segment: compaction and doubling
-    assert arena.hashes.shape[0] > cap0
-    assert int(arena.start[a._slot]) < start_a  # a was packed to the front
+    assert introspect.arena_capacity_blocks(mgr) > cap0
+    assert introspect.sequence_state(a)["start"] < start_a  # a was packed to the front
     assert all(host(f.tokens) == [0] for f in back)
     assert mgr.match_batch([a, b]).to_host().num_tokens.tolist() == [12, 12]
     assert launches == []  # nothing was hashed again
@@ -165,12 +161,11 @@ def test_hashes_are_computed_once(backend):
     T = 4
     mgr, p1, p2 = tree_manager(backend, T)
     launches = count_hashing(mgr)
-    arena = mgr._arena
     seq = mgr.token_sequence(p1[:10])  # 2 full blocks and 2 tokens
-    assert arena.hashed[seq._slot] == 0 and launches == []  # nothing until a match
+    assert hashed(seq) == 0 and launches == []  # nothing until a match
 
     assert mgr.probe_reuse(seq) == 10
-    assert arena.hashed[seq._slot] == 2 and launches == [2]
+    assert hashed(seq) == 2 and launches == [2]
     assert mgr.probe_reuse(seq) == 10
     assert mgr.match_batch([seq, seq]).to_host().num_tokens.tolist() == [10, 10]
     assert launches == [2]  # nothing new to hash
@@ -179,35 +174,35 @@ def test_hashes_are_computed_once(backend):
     other = mgr.token_sequence(p2)  # 3 fresh blocks
     m = mgr.match_batch([seq, other]).to_host()
     assert m.num_tokens.tolist() == [12, 12]
-    assert arena.hashed[seq._slot] == 3 and arena.hashed[other._slot] == 3
+    assert hashed(seq) == 3 and hashed(other) == 3
     assert launches == [2, 1 + 3]  # one launch for both, only the new blocks
 
     seq.extend([1, 2, 3])  # a partial block is never hashed
     assert mgr.probe_reuse(seq) == 12
-    assert launches == [2, 4] and arena.hashed[seq._slot] == 3
+    assert launches == [2, 4] and hashed(seq) == 3
 
 
 def test_a_recycled_slot_does_not_reuse_old_hashes(backend):
     mgr, p1, p2 = tree_manager(backend)
     a = mgr.token_sequence(p1)
     assert mgr.probe_reuse(a) == 12
-    slot = a._slot
+    slot = introspect.sequence_slot(a)
     a.release()
     b = mgr.token_sequence(p2[:4] + [0] * 8)  # same first block, then nothing in the tree
-    assert b._slot == slot
+    assert introspect.sequence_slot(b) == slot
     assert mgr.probe_reuse(b) == mgr.probe_reuse(p2[:4] + [0] * 8) == 4
 
 
 def test_garbage_collection_releases_the_slot():
     mgr, p1, _ = tree_manager("cpu")
-    arena = mgr._arena
     seq = mgr.token_sequence(p1)
-    slot = seq._slot
-    assert arena.live[slot]
+    slot = introspect.sequence_slot(seq)
+    assert introspect.arena_slot(mgr, slot)["live"]
     del seq
     gc.collect()
-    assert not arena.live[slot] and arena.length[slot] == 0
-    assert mgr.token_sequence([1])._slot == slot
+    state = introspect.arena_slot(mgr, slot)
+    assert not state["live"] and state["length"] == 0
+    assert introspect.sequence_slot(mgr.token_sequence([1])) == slot
 
 
 def test_sequences_from_another_manager_are_rejected(backend):
@@ -221,7 +216,7 @@ def test_sequences_from_another_manager_are_rejected(backend):
         mgr.match_batch([mine, foreign])
     with pytest.raises(ValueError, match="request 0: TokenSequence belongs to another manager"):
         mgr.probe_reuse(foreign)
-    assert mgr._arena.hashed[mine._slot] == 0  # a rejected batch hashed nothing
+    assert hashed(mine) == 0  # a rejected batch hashed nothing
 
 
 def test_a_foreign_sequence_in_a_mixed_batch_is_rejected():
@@ -265,17 +260,17 @@ def test_rematching_after_the_tree_changes(backend):
     T = 4
     mgr, p1, p2 = tree_manager(backend, T)
     seq = mgr.token_sequence(p1)
-    assert agree(mgr, seq) == 12 and mgr._arena.verified[seq._slot] == 3
+    assert agree(mgr, seq) == 12 and memoized(seq) == 3
 
     # a page dies but no block leaves the tree: the memo stays trusted
-    b0, b1, b2 = (mgr._tree.ref(int(r)) for r in mgr.match_batch([p1]).to_host().blocks(0))
-    detaches = int(mgr._tables.counters_host()[CNT_DETACHES])
-    mgr._tree.page_death(introspect.page_of(mgr, b2, 1)[0])  # b2's S page (W = 5 needs it)
-    assert int(mgr._tables.counters_host()[CNT_DETACHES]) == detaches
+    b0, b1, b2 = (introspect.block_ref(mgr, int(r)) for r in mgr.match_batch([p1]).to_host().blocks(0))
+    detaches = introspect.detach_count(mgr)
+    introspect.page_death(mgr, introspect.page_of(mgr, b2, 1)[0])  # b2's S page (W = 5 needs it)
+    assert introspect.detach_count(mgr) == detaches
     assert agree(mgr, seq) == 8
 
     # b1 and b2 leave; their rows go to p3's new blocks: same rows, other blocks
-    mgr._tree.remove_subtree(b1)
+    introspect.remove_subtree(mgr, b1)
     p3 = p1[:T] + [50 + k for k in range(2 * T)]
     assert introspect.insert_sequence(mgr, p3) == 3
     rows3 = mgr.match_batch([p3]).to_host().blocks(0).tolist()
@@ -309,16 +304,16 @@ def test_a_rematch_memoizes_the_new_rows_of_blocks_that_moved(backend):
     seq = mgr.token_sequence(p1)
     assert agree(mgr, seq) == 12
     old = mgr.match_batch([p1]).to_host().blocks(0).tolist()
-    mgr._tree.remove_subtree(mgr._tree.ref(old[1]))
+    introspect.remove_subtree(mgr, introspect.block_ref(mgr, old[1]))
     p3 = p1[:T] + [50 + k for k in range(2 * T)]
     assert introspect.insert_sequence(mgr, p3) == 3  # takes the freed rows
     assert introspect.insert_sequence(mgr, p1) == 3  # p1's blocks 1, 2 in other rows
     new = mgr.match_batch([p1]).to_host().blocks(0).tolist()
     assert new[0] == old[0] and not set(new[1:]) & set(old[1:])
-    detaches = int(mgr._tables.counters_host()[CNT_DETACHES])
+    detaches = introspect.detach_count(mgr)
     assert agree(mgr, seq) == 12  # recall stops at block 1, the walk finds the new rows
     assert agree(mgr, seq) == 12  # trusted recall
-    assert int(mgr._tables.counters_host()[CNT_DETACHES]) == detaches
+    assert introspect.detach_count(mgr) == detaches
     assert mgr.match_batch([seq]).to_host().blocks(0).tolist() == new
 
 
@@ -326,11 +321,11 @@ def test_a_memoized_sequence_keeps_growing(backend):
     T = 4
     mgr, p1, p2 = tree_manager(backend, T)
     seq = mgr.token_sequence(p2[:6])
-    assert agree(mgr, seq) == 6 and mgr._arena.verified[seq._slot] == 1
+    assert agree(mgr, seq) == 6 and memoized(seq) == 1
     seq.extend(p2[6:])
-    assert agree(mgr, seq) == 12 and mgr._arena.verified[seq._slot] == 3
+    assert agree(mgr, seq) == 12 and memoized(seq) == 3
     seq.extend([0] * 9)  # two more full blocks, not in the tree
-    assert agree(mgr, seq) == 12 and mgr._arena.verified[seq._slot] == 3
+    assert agree(mgr, seq) == 12 and memoized(seq) == 3
     introspect.insert_sequence(mgr, host(seq.tokens))  # now they are
     assert agree(mgr, seq) == 21
     # the same sequence twice in one batch, and beside other requests

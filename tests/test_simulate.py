@@ -36,7 +36,7 @@ def finished_cleanly(sim, summary):
     """Every request finished, no cache is left open, and the tables are sane."""
     assert summary["finished"] + summary["rejected"] == summary["requests"] == len(sim.workload.requests)
     assert not sim.running and not sim.waiting and not sim.swapped
-    assert not sim.mgr._open_caches
+    assert introspect.num_open_caches(sim.mgr) == 0
     introspect.check_sanity(sim.mgr)
 
 

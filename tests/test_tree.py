@@ -1,8 +1,9 @@
-"""Scenario tests of the block radix tree on the device tables (semantics.md
+"""Scenario tests of the block radix tree on the device tables (docs/semantics.md
 §1.3-1.5, §2.1, §2.2, §2.7; scenarios D9 and D10 of §6.3).
 
-Each test builds a tiny tree with ``introspect.make_test_block`` (or the tree
-facade ``mgr._tree``), acts, and asserts which rows stay attached, which pages
+Each test builds a tiny tree with ``introspect.make_test_block`` (or
+``introspect.add_block``), acts through the tree operations of ``introspect``,
+and asserts which rows stay attached, which pages
 stay linked and with what coverage, and what the change log recorded. Every
 test runs on ``cpu`` and on the CUDA kernels (``cudasim``) via the ``backend``
 fixture, and ``check_sanity`` runs after every step.
@@ -16,7 +17,6 @@ import pytest
 import gpukv
 from gpukv import Attention, ReuseScope, Ssm, introspect
 from gpukv.kernels.sha256 import int64x4_to_digest
-from gpukv.kernels.tree import OP_INSERT
 from gpukv.core.layout import (
     EV_REMOVED,
     EV_REMOVED_LIFE_CYCLE,
@@ -49,11 +49,7 @@ def blocks(mgr):
 
 def alive(mgr, ref: BlockRef) -> bool:
     """The row still holds this block (attached or orphan)."""
-    try:
-        mgr._tree.resolve(ref)
-        return True
-    except ValueError:
-        return False
+    return introspect.block_exists(mgr, ref)
 
 
 def attached(mgr, ref: BlockRef) -> bool:
@@ -98,8 +94,7 @@ def cov(mgr, ref: BlockRef, lc: int) -> int:
 
 
 def record_log(mgr) -> list:
-    mgr._tree.log_sink = []
-    return mgr._tree.log_sink
+    return introspect.record_log(mgr)
 
 
 def logged(records, kind) -> list:
@@ -126,15 +121,9 @@ def empty_tree(mgr):
 
 
 def make_childless_root(mgr, scope=None) -> int:
-    """A root with no child yet, as ``add_or_get_existing(scope)`` leaves it in
-    the reference (invariant 1 allows it only transiently). No public call
-    leaves one behind, so drive the tree kernel directly: inserting a sequence
-    of zero tokens creates the root and stops."""
-    tree = mgr._tree
-    sid = tree.scope_id(scope, create=True)
-    tree._op(OP_INSERT, (sid, tree.scope_key(sid), 0, 0, *tree._scope_digests[sid]), np.zeros(1, dtype=np.int32))
-    (root,) = [r for r in roots(mgr) if int(blocks(mgr)[r]["scope"]) == sid]
-    assert children(mgr, root) == []
+    """A root with no child yet (``introspect.make_childless_root``)."""
+    root = introspect.make_childless_root(mgr, scope)
+    assert root in roots(mgr) and children(mgr, root) == []
     return root
 
 
@@ -159,7 +148,7 @@ def test_d9_lc0_empty_lc1_present_keeps_tip(backend):
     mgr, root, first, tip = d9_tree(backend, [0, 2], [0, 2])
     log = record_log(mgr)
 
-    mgr._tree.clear_stale_blocks_after_page_unlink(tip, 0)
+    introspect.clear_stale_blocks_after_page_unlink(mgr, tip, 0)
 
     sane(mgr)
     assert attached(mgr, tip) and parent_row(mgr, tip) == first.row
@@ -178,7 +167,7 @@ def test_d9_both_empty_prunes_up_to_and_including_the_root(backend):
     mgr, root, first, tip = d9_tree(backend, [0, 0], [0, 0])
     log = record_log(mgr)
 
-    mgr._tree.clear_stale_blocks_after_page_unlink(tip, 0)
+    introspect.clear_stale_blocks_after_page_unlink(mgr, tip, 0)
 
     sane(mgr)
     assert not attached(mgr, tip) and not attached(mgr, first)
@@ -194,7 +183,7 @@ def test_d9_tip_empty_first_with_pages_prunes_only_the_tip(backend):
     mgr, root, first, tip = d9_tree(backend, [2, 2], [0, 0])
     log = record_log(mgr)
 
-    mgr._tree.clear_stale_blocks_after_page_unlink(tip, 0)
+    introspect.clear_stale_blocks_after_page_unlink(mgr, tip, 0)
 
     sane(mgr)
     assert not alive(mgr, tip)  # no sequence refers to it: its row is recycled
@@ -211,7 +200,7 @@ def test_d9_lc1_empty_lc0_present_keeps_tip_with_two_windows(backend):
     mgr, root, first, tip = d9_tree(backend, [2, 0], [2, 0], layers=layers)
     log = record_log(mgr)
 
-    mgr._tree.clear_stale_blocks_after_page_unlink(tip, 1)
+    introspect.clear_stale_blocks_after_page_unlink(mgr, tip, 1)
 
     sane(mgr)
     assert attached(mgr, tip) and parent_row(mgr, tip) == first.row
@@ -228,7 +217,7 @@ def test_d9_lc1_empty_lc0_present_on_full_attention_removes_the_tip(backend):
     tip_page = introspect.page_of(mgr, tip, 0)[0]
     log = record_log(mgr)
 
-    mgr._tree.clear_stale_blocks_after_page_unlink(tip, 1)
+    introspect.clear_stale_blocks_after_page_unlink(mgr, tip, 1)
 
     sane(mgr)
     assert not alive(mgr, tip)
@@ -362,14 +351,14 @@ TWO_LC = [Attention(), Attention(window=8)]  # lc0 = F, lc1 = S(W=8)
 
 def test_add_or_get_duplicate_returns_the_existing_block(backend):
     mgr = make_manager(backend, tokens_per_block=4, layers=TWO_LC)
-    full, new = mgr._tree.add([1, 2, 3, 4])
+    full, new = introspect.add_block(mgr, [1, 2, 3, 4])
     assert new
-    part, new = mgr._tree.add([5, 6], parent=full)
+    part, new = introspect.add_block(mgr, [5, 6], parent=full)
     assert new
     before = introspect.tables(mgr)
 
-    assert mgr._tree.add([1, 2, 3, 4]) == (full, False)
-    assert mgr._tree.add([5, 6], parent=full) == (part, False)
+    assert introspect.add_block(mgr, [1, 2, 3, 4]) == (full, False)
+    assert introspect.add_block(mgr, [5, 6], parent=full) == (part, False)
 
     after = introspect.tables(mgr)
     assert np.array_equal(before["blocks"], after["blocks"])
@@ -384,9 +373,9 @@ def test_add_or_get_partial_covered_by_siblings_returns_the_first_inserted(backe
     assert children(mgr, root) == [part.row, full.row]
 
     # [1, 2] is "useless": both siblings cover it, the first in insertion order wins
-    assert mgr._tree.add([1, 2]) == (part, False)
+    assert introspect.add_block(mgr, [1, 2]) == (part, False)
     # [1, 2, 3] is covered only by the full block: a partial may map to a full block
-    assert mgr._tree.add([1, 2, 3]) == (full, False)
+    assert introspect.add_block(mgr, [1, 2, 3]) == (full, False)
     assert children(mgr, root) == [part.row, full.row]
     sane(mgr)
 
@@ -394,7 +383,7 @@ def test_add_or_get_partial_covered_by_siblings_returns_the_first_inserted(backe
     mgr2 = make_manager(backend, tokens_per_block=4, layers=TWO_LC)
     full2 = introspect.make_test_block(mgr2, [1, 2, 3, 4], [4, 4])
     introspect.make_test_block(mgr2, [1, 2, 9], [3, 3])
-    assert mgr2._tree.add([1, 2]) == (full2, False)
+    assert introspect.add_block(mgr2, [1, 2]) == (full2, False)
     sane(mgr2)
 
 
@@ -405,7 +394,7 @@ def test_add_or_get_new_longer_block_adopts_the_covered_sibling(backend):
     s_short, _ = introspect.page_of(mgr, short, 1)
     log = record_log(mgr)
 
-    longer, new = mgr._tree.add([1, 2, 3])
+    longer, new = introspect.add_block(mgr, [1, 2, 3])
 
     assert new
     sane(mgr)
@@ -424,14 +413,14 @@ def test_add_or_get_new_longer_block_adopts_the_covered_sibling(backend):
     assert (n, pages) == (1, [(f_short, 2)])
 
     # the caller's own wider F page replaces the adopted one; S1 stays
-    f_own = mgr._tree.add_page(longer, 0, 3)
+    f_own = introspect.add_page(mgr, longer, 0, 3)
     sane(mgr)
     assert introspect.page_of(mgr, longer, 0) == (f_own, 3)
     assert page_state(mgr, f_short) == PAGE_FREE  # unowned, so it died on replacement
     assert introspect.page_of(mgr, longer, 1) == (s_short, 1)
 
     # a full block in turn adopts the 3-token one
-    full, new = mgr._tree.add([1, 2, 3, 4])
+    full, new = introspect.add_block(mgr, [1, 2, 3, 4])
     assert new and not alive(mgr, longer)
     assert introspect.page_of(mgr, full, 0) == (f_own, 3)
     assert introspect.page_of(mgr, full, 1) == (s_short, 1)
@@ -462,18 +451,18 @@ def test_replacement_is_strictly_wider_and_ties_keep_the_incumbent(backend):
     p2, _ = introspect.page_of(mgr, b, 0)
     before = introspect.tables(mgr)
 
-    assert mgr._tree.add_page(b, 0, 2) == NULL  # tie: the incumbent stays
-    assert mgr._tree.add_page(b, 0, 1) == NULL  # narrower never replaces
+    assert introspect.add_page(mgr, b, 0, 2) == NULL  # tie: the incumbent stays
+    assert introspect.add_page(mgr, b, 0, 1) == NULL  # narrower never replaces
     after = introspect.tables(mgr)
     for name in ("blocks", "slots", "pages"):
         assert np.array_equal(before[name], after[name]), name
 
-    p3 = mgr._tree.add_page(b, 0, 3)
+    p3 = introspect.add_page(mgr, b, 0, 3)
     assert p3 not in (NULL, p2)
     assert introspect.page_of(mgr, b, 0) == (p3, 3)
     assert page_state(mgr, p2) == PAGE_FREE and page_block(mgr, p2) == NULL
     assert introspect.page_of(mgr, b, 1) is None
-    p1 = mgr._tree.add_page(b, 1, 1)  # an empty slot takes any coverage
+    p1 = introspect.add_page(mgr, b, 1, 1)  # an empty slot takes any coverage
     assert introspect.page_of(mgr, b, 1) == (p1, 1)
     sane(mgr)
 
@@ -486,14 +475,14 @@ def test_unlink_page_with_an_expected_page(backend):
     ps, _ = introspect.page_of(mgr, a, 1)
 
     # a different expected page: nothing happens
-    assert mgr._tree.unlink_page(b, 0, expected=ps) == NULL
+    assert introspect.unlink_page(mgr, b, 0, expected=ps) == NULL
     assert introspect.page_of(mgr, b, 0) == (pf, 4)
     # unlinking only severs the link; no tree cleanup runs (that is page death)
-    assert mgr._tree.unlink_page(b, 0, expected=pf) == pf
+    assert introspect.unlink_page(mgr, b, 0, expected=pf) == pf
     assert introspect.page_of(mgr, b, 0) is None
     assert page_block(mgr, pf) == NULL and page_state(mgr, pf) == PAGE_COMMITTED
     assert attached(mgr, b)
-    assert mgr._tree.unlink_page(b, 0) == NULL  # already empty
+    assert introspect.unlink_page(mgr, b, 0) == NULL  # already empty
     assert mgr.probe_reuse(list(range(1, 9))) == 4
     sane(mgr)
 
@@ -504,7 +493,7 @@ def test_partial_blocks_cannot_be_parents(backend):
     before = introspect.tables(mgr)
 
     with pytest.raises(ValueError, match="partial"):
-        mgr._tree.add([3], parent=part)
+        introspect.add_block(mgr, [3], parent=part)
     with pytest.raises(ValueError, match="partial"):
         introspect.make_test_block(mgr, [3, 4, 5, 6], [4, 4], parent=part)
 
@@ -526,7 +515,7 @@ def test_full_attention_page_death_removes_the_subtree(backend):
     pb, pc = introspect.page_of(mgr, b, 0)[0], introspect.page_of(mgr, c, 0)[0]
     log = record_log(mgr)
 
-    mgr._tree.page_death(pb)
+    introspect.page_death(mgr, pb)
 
     sane(mgr)
     assert not alive(mgr, b) and not alive(mgr, c)
@@ -538,7 +527,7 @@ def test_full_attention_page_death_removes_the_subtree(backend):
     assert mgr.probe_reuse([1, 2, 7, 8]) == 4
 
     with pytest.raises(ValueError, match="not a committed page"):
-        mgr._tree.page_death(pb)  # it is dead already
+        introspect.page_death(mgr, pb)  # it is dead already
 
 
 def test_swa_non_sink_page_death_removes_only_that_life_cycle(backend):
@@ -550,7 +539,7 @@ def test_swa_non_sink_page_death_removes_only_that_life_cycle(backend):
     log = record_log(mgr)
 
     # an interior block: it loses its S page but keeps its place (it has a child)
-    mgr._tree.page_death(sb)
+    introspect.page_death(mgr, sb)
 
     sane(mgr)
     assert attached(mgr, b) and children(mgr, b.row) == [c.row]
@@ -560,7 +549,7 @@ def test_swa_non_sink_page_death_removes_only_that_life_cycle(backend):
 
     # the leaf: tail pruning detaches it and then the now childless, page-less b
     del log[:]
-    mgr._tree.page_death(sc)
+    introspect.page_death(mgr, sc)
 
     sane(mgr)
     assert not alive(mgr, c) and not alive(mgr, b)
@@ -580,14 +569,14 @@ def test_sink_block_page_death_behaves_like_full_attention(backend):
     log = record_log(mgr)
 
     # a non-sink block's death is only a life-cycle removal
-    mgr._tree.page_death(pb)
+    introspect.page_death(mgr, pb)
     sane(mgr)
     assert attached(mgr, b) and logged(log, EV_REMOVED_LIFE_CYCLE) == [(b.key, 0)]
     assert mgr.probe_reuse([1, 2, 3, 4, 5, 6]) == 6  # b is stale at 6: not needed
 
     # the sink block's death removes the whole subtree, and the root with it
     del log[:]
-    mgr._tree.page_death(pa)
+    introspect.page_death(mgr, pa)
     sane(mgr)
     assert removed_keys(log) == [c.key, b.key, a.key]
     assert logged(log, EV_REMOVED_LIFE_CYCLE) == []
@@ -601,7 +590,7 @@ def test_ssm_page_death_removes_only_that_life_cycle(backend):
     assert mgr.probe_reuse([1, 2, 3, 4]) == 4
     log = record_log(mgr)
 
-    mgr._tree.page_death(mb)
+    introspect.page_death(mgr, mb)
 
     sane(mgr)
     assert attached(mgr, b) and cov(mgr, b, 0) == 2 and cov(mgr, b, 1) == 0
@@ -618,7 +607,7 @@ def test_remove_subtree_is_post_order(backend):
     e = introspect.make_test_block(mgr, [9, 9], [2])
     log = record_log(mgr)
 
-    mgr._tree.remove_subtree(a)
+    introspect.remove_subtree(mgr, a)
 
     sane(mgr)
     assert removed_keys(log) == [c.key, b.key, d.key, a.key]
