@@ -90,7 +90,7 @@ class HashChainIndex:
         return parent
 
     def expected_partial(self, q: np.ndarray, n_full: int) -> int:
-        """gpukv's answer with partial reuse on (semantics §2.3, every block
+        """gpukv's answer with partial reuse on (docs/semantics.md §2.3, every block
         fully covered): the full-block prefix plus the longest common prefix
         of the next query block with any child of the last matched block."""
         rest = q[n_full:n_full + self.T]

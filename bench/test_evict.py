@@ -1,5 +1,5 @@
 """Eviction throughput and the cost of an allocation under pressure, on the
-Mooncake trace (semantics.md §2.11).
+Mooncake trace (docs/semantics.md §2.11).
 
 The GPU pool (``POOL`` pages of one full-attention life cycle, T = 32) is
 filled with the cached prompts of trace requests (each hash id expanded to 512

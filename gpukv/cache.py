@@ -1,7 +1,7 @@
 """``KVCache``: one sequence's KV cache, as a serving engine drives it.
 
 The host side validates each call and launches the serial sequence kernel
-(``kernels/seq.py``) once; that kernel does the per-block work of semantics.md
+(``kernels/seq.py``) once; that kernel does the per-block work of docs/semantics.md
 §2.5-§2.10 on the device tables. Afterwards the host carries out the page data
 copies the kernel recorded and drains the tree's change log.
 """

@@ -1,4 +1,4 @@
-"""KV cache events (semantics.md §4), built from the tree's change log.
+"""KV cache events (docs/semantics.md §4), built from the tree's change log.
 
 The tree kernels do not call into Python while they change the tree; they
 append records to a change log (``layout.LOG``), which the host drains after
@@ -225,7 +225,7 @@ class _Announced:
 
 
 class KVCacheEventManager:
-    """Turns the tree's change log into KV cache events (semantics.md §4).
+    """Turns the tree's change log into KV cache events (docs/semantics.md §4).
 
     ``max_entries`` caps the public queue (the oldest events are dropped);
     ``max_entries <= 0`` disables events: every call then does nothing.

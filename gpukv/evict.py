@@ -1,4 +1,4 @@
-"""Choosing eviction victims: a batched pass over the page table (semantics.md §2.11).
+"""Choosing eviction victims: a batched pass over the page table (docs/semantics.md §2.11).
 
 Before a launch that may allocate more GPU pages than are free, ``Evictor``
 lists, for each life cycle's GPU and host pools, the best eviction candidates

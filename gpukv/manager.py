@@ -100,7 +100,7 @@ class KVCacheManager:
     # -- reuse queries -------------------------------------------------------------------
     @serialized("mgr.match_batch()")
     def match_batch(self, requests, scopes=None) -> BatchMatch:
-        """Reuse results for a whole scheduling batch (semantics.md §2.3-2.4).
+        """Reuse results for a whole scheduling batch (docs/semantics.md §2.3-2.4).
 
         ``requests``: token sequences (lists, 1-D integer arrays or registered
         ``TokenSequence``s), or a pair ``(flat_tokens, offsets)`` with offsets of

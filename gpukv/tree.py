@@ -1,4 +1,4 @@
-"""The block radix tree, as the host drives it (semantics.md §2.1, §2.2, §2.7).
+"""The block radix tree, as the host drives it (docs/semantics.md §2.1, §2.2, §2.7).
 
 ``BlockTree`` validates each request, stocks the free lists, and launches the
 serial tree kernel (``kernels/tree.py``) for one operation. It also owns the

@@ -1,6 +1,6 @@
 """Configuration: layer specs, the life-cycle registry and ``CacheConfig``.
 
-Layers with equal specs share one *life cycle* (semantics.md §1.5): the unit
+Layers with equal specs share one *life cycle* (docs/semantics.md §1.5): the unit
 that owns a page pool, a page slot per tree block and a coverage rule. Ids are
 given 0, 1, ... in order of first appearance in ``CacheConfig.layers``.
 """

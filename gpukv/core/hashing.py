@@ -3,7 +3,7 @@
 A block's key commits to its whole prefix: ``root = SHA256(scope bytes)`` and
 ``key = SHA256(parent key || encoded tokens)``, where an int token is 4
 little-endian bytes and a multimodal token (a 32-byte digest) is its raw bytes
-(semantics.md §1.2). Matches are decided by key equality alone, and tokens and
+(docs/semantics.md §1.2). Matches are decided by key equality alone, and tokens and
 salts can be chosen by an attacker, so the key is never truncated and the hash
 never weakened here. ``kernels/sha256.py`` computes the same digest in kernels.
 """

@@ -1,4 +1,4 @@
-"""The rules of each life-cycle kind, in one table (semantics.md §1.5, §2.4-§2.9).
+"""The rules of each life-cycle kind, in one table (docs/semantics.md §1.5, §2.4-§2.9).
 
 A life cycle's kind decides how its pages serve reuse. Every kernel and the
 host ask the predicates below instead of testing a kind themselves; they are

@@ -128,7 +128,7 @@ EV_REMOVED = 1  # a block left the tree (detached)
 EV_REMOVED_LIFE_CYCLE = 2  # one life cycle's page of a block died
 EV_CREATED = 3  # a block was created
 EV_ROOT_REMOVED = 4  # a root lost its last child and was freed
-# Announcements for KV cache events (semantics.md §4). A header is followed by
+# Announcements for KV cache events (docs/semantics.md §4). A header is followed by
 # one EV_PAGE_INFO record per life cycle whose slot holds a page, ascending.
 EV_STORED_BLOCK = 5  # stored_block(b): announce every life cycle that covers b
 EV_STORED_LIFE_CYCLE = 6  # stored_life_cycle(b, lc)

@@ -2,7 +2,7 @@
 
 Caches under different scopes never share blocks, because each scope hashes to
 its own root key (``hashing.root_key``). The byte layout of a scope is part of
-the reference-compatible key and must not change (semantics.md §1.2).
+the reference-compatible key and must not change (docs/semantics.md §1.2).
 """
 
 from __future__ import annotations

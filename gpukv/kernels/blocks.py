@@ -1,4 +1,4 @@
-"""The tree proper: blocks and their lifetime (semantics.md §2.1, §2.2, §2.7).
+"""The tree proper: blocks and their lifetime (docs/semantics.md §2.1, §2.2, §2.7).
 
 Creating blocks (``add_or_get`` with its duplicate, useless-partial and
 adoption rules; roots), detaching them, removing subtrees, the cleanup after a

@@ -1,4 +1,4 @@
-"""The eviction controller (semantics.md §2.11).
+"""The eviction controller (docs/semantics.md §2.11).
 
 One prioritized LRU per (life cycle, cache level), kept implicitly: a page's
 place is ``(priority, lru_tick)``. Every ownership change of a page goes

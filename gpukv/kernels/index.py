@@ -1,4 +1,4 @@
-"""The child index of the block tree (semantics.md §2.2): finding a block.
+"""The child index of the block tree (docs/semantics.md §2.2): finding a block.
 
 A chained hash index from the fast chain key (``keys.py``) to candidate rows
 (``buckets`` plus ``BLK_HASH_NEXT``), and a second one from (parent row, first

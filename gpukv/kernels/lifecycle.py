@@ -1,4 +1,4 @@
-"""The stale range of a life cycle, in kernels (semantics.md §1.5).
+"""The stale range of a life cycle, in kernels (docs/semantics.md §1.5).
 
 At history ``h`` a windowed life cycle does not read its blocks between the
 sinks and the window: ``[start, end)`` with ``start = min(ceil(h/T), sink

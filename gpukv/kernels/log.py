@@ -1,4 +1,4 @@
-"""The change log: what the host learns of a launch (semantics.md §4).
+"""The change log: what the host learns of a launch (docs/semantics.md §4).
 
 Removals, life-cycle removals, creations, migrations and event announcements
 are appended to ``log`` with the block's digest copied in, so a record

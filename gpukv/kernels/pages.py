@@ -1,4 +1,4 @@
-"""Pages, their slots and their storage (semantics.md §1.4, §2.1).
+"""Pages, their slots and their storage (docs/semantics.md §1.4, §2.1).
 
 A page is a row of ``pages`` (what slots and sequences refer to) plus a
 storage slot in one of the fixed pools, one pool per (life cycle, cache

@@ -1,4 +1,4 @@
-"""The serial sequence kernel: one ``KVCache`` call per launch (semantics.md §2.5-§2.10).
+"""The serial sequence kernel: one ``KVCache`` call per launch (docs/semantics.md §2.5-§2.10).
 
 A ``KVCache`` keeps its state in small device arrays (``SeqTables``): per
 ordinal and life cycle the page it refers to and how (held or locked), per

@@ -1,4 +1,4 @@
-"""Closing a sequence (semantics.md §2.8).
+"""Closing a sequence (docs/semantics.md §2.8).
 
 Committing stops (a pending partial tail is committed), scratch slots go back,
 and every page is released, last block first and descending life cycle, so

@@ -1,4 +1,4 @@
-"""Commits of a sequence into the tree (semantics.md §2.5).
+"""Commits of a sequence into the tree (docs/semantics.md §2.5).
 
 New blocks take the sequence's pages (installed only when strictly wider
 than what the block adopted); full blocks that exist already rebase, never

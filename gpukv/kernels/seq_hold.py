@@ -1,4 +1,4 @@
-"""How a sequence holds pages (semantics.md §2.8).
+"""How a sequence holds pages (docs/semantics.md §2.8).
 
 A sequence refers to each of its pages by a hold or a lock (a lock keeps the
 page on the GPU and out of eviction). Releasing the last reference to an

@@ -1,4 +1,4 @@
-"""Capacity and history of a sequence (semantics.md §1.5, §2.10).
+"""Capacity and history of a sequence (docs/semantics.md §1.5, §2.10).
 
 Growing allocates, all or nothing, a page per new block and life cycle outside
 its stale range and its scratch range (whose blocks share a few scratch

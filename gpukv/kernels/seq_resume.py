@@ -1,4 +1,4 @@
-"""Reuse setup, resume and suspend of a sequence (semantics.md §2.6, §2.8).
+"""Reuse setup, resume and suspend of a sequence (docs/semantics.md §2.6, §2.8).
 
 A new sequence holds every page the matched endpoint needs. Its first resume
 locks everything (bringing host pages back to the GPU), gives it private

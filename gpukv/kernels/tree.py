@@ -1,4 +1,4 @@
-"""The serial tree kernel: one tree operation per launch (semantics.md §2.1, §2.2, §2.7).
+"""The serial tree kernel: one tree operation per launch (docs/semantics.md §2.1, §2.2, §2.7).
 
 The host facade (``gpukv/tree.py``) packs an operation's arguments into
 ``args`` (one layout per operation in ``core/layout.py``) and launches
