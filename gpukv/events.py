@@ -41,6 +41,9 @@ What a consumer sees is decided by four rules, each in one place below:
 Choices where the reference leaves room, all documented at their definition:
 ``NO_WINDOW`` (the window size of life cycles without one), the created event's
 layer group (None), and the byte order of ``sha256_64`` hashes.
+
+The module is long because the event manager keeps the reference's operations
+one to one, and the four rules above only make sense read together.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ manager's device tables and host-side state directly, the same way on every
 backend, so one test runs against all of them. This module is the one place
 outside the facade that knows the manager's internals: tests go through it
 rather than through private attributes, so a change of those internals is
-met here once. Not thread-safe and not meant for a serving hot path.
+met here once. Not thread-safe and not meant for a serving hot path. It is long
+for that reason: splitting it would scatter the knowledge of the internals
+that it exists to keep in one place.
 """
 
 from __future__ import annotations

@@ -49,6 +49,9 @@ sockets' high-water marks, and the translation state, which holds one entry
 per announced (block, group) -- at most the pools' pages.
 
 Needs the ``events`` extra: ``pip install 'gpukv[events]'`` (pyzmq, msgspec).
+
+The wire format, what a router is told and the transport are kept in this one
+module so that the protocol is read in one place, against vLLM's.
 """
 
 from __future__ import annotations
