@@ -505,8 +505,8 @@ def committed_blocks(kv) -> list:
 def planned_pages(plan) -> list:
     """``[(life cycle, pool index)]`` of the pages a planned drop names that are
     still the committed pages it was made for, in plan order."""
-    mgr = plan._mgr
-    rows = mgr._backend.to_host(mgr._tables.pages)
+    tables = plan._tables
+    rows = tables.backend.to_host(tables.pages)
     out = []
     for p, serial in plan._pages:
         if rows[p, PAGE_SERIAL] == serial and rows[p, PAGE_STATE] == PAGE_COMMITTED:

@@ -60,7 +60,8 @@ class KVCacheManager:
             windows = [lc.window if has_window(lc.kind) else 0 for lc in config.life_cycles]
             self._events = KVCacheEventManager(
                 config.max_kv_event_entries, config.event_hash, windows, self._tables.digest_of_token,
-                scope_of_root=self._tree.scope_of_root_digest,
+                # The tree is built after the launcher that feeds these events.
+                scope_of_root=lambda digest: self._tree.scope_of_root_digest(digest),
             )
             self._events.created([sum(config.pages_per_life_cycle_list()), sum(config.pages_per_life_cycle_list(host=True))])
         self._launcher = Launcher(self._tables, evictor=Evictor(self._tables), copier=self._pages, events=self._events)

@@ -284,7 +284,9 @@ def test_interrupts_anywhere_never_leave_wrong_kv(seed):
     prompts = [rng.choice(stems) + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))] for _ in range(40)]
     interrupt = Interrupter()
     committed = interrupted_workload(mgr, engine, rng, prompts, interrupt)
-    assert interrupt.fired >= 10 and committed >= 5, (interrupt.fired, committed)
+    # Not vacuous: many calls were cut short, and some turns still made it
+    # into the tree for the checks below to reuse.
+    assert interrupt.fired >= 10 and committed >= 3, (interrupt.fired, committed)
     for prompt in prompts[:10]:  # what is reusable now holds the right KV
         kv = mgr.create_kv_cache(input_tokens=prompt)
         assert kv.resume()
