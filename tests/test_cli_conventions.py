@@ -250,3 +250,15 @@ def test_plot_of_one_run_and_of_both(both_runs, tmp_path):
     for runs, name in ((both_runs, "both.png"), (both_runs[1:], "one.png")):
         sim.plot(runs, str(tmp_path / name))
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_runs_without_requests(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = []
+    for policy in sim.POLICIES:
+        s = sim.Simulator(sim.Workload([], "nothing"), sim.SimOptions(policy=policy, pages=16, backend="cpu"))
+        s.run()
+        runs.append(s)
+    assert sim.plot_series(runs)["saved"]["total"] == 0
+    sim.plot(runs, str(tmp_path / "empty.png"))
+    assert (tmp_path / "empty.png").stat().st_size > 0

@@ -801,6 +801,8 @@ class MissingDependency(RuntimeError):
 def _at(t, y, grid):
     """The running total ``y`` (recorded at times ``t``) at each time of
     ``grid``: its last value at or before it, 0 before the first."""
+    if not len(t):
+        return np.zeros(len(grid))
     i = np.searchsorted(t, grid, side="right") - 1
     return np.where(i >= 0, y[np.maximum(i, 0)], 0.0)
 
@@ -867,7 +869,7 @@ def plot(sims: list, path: str):
         b.plot(saved["t_s"], saved["tokens"], color="C2")
         b.fill_between(saved["t_s"], 0, saved["tokens"], color="C2", alpha=0.2)
         b.axhline(0, color="0.3", lw=0.8)
-        b.set_ylim(top=max(1.0, 1.3 * float(saved["tokens"].max())))  # room for the total above the curve
+        b.set_ylim(top=max(1.0, 1.3 * float(saved["tokens"].max(initial=0))))  # room for the total above the curve
         b.set_title("recomputation per-page coverage saves")
         b.set_ylabel("tokens computed: full-blocks minus per-page")
         b.yaxis.set_major_formatter(thousands)
@@ -893,15 +895,18 @@ def plot(sims: list, path: str):
         ax.set_xlabel("simulated time (s)")
         ax.grid(alpha=0.3)
 
-    d.set_xscale("log")
-    d.set_yscale("log")
-    d.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-    d.xaxis.set_minor_formatter(NullFormatter())
+    if any(len(sim.stats.match_latency_s) for sim in sims):  # a log axis needs data
+        d.set_xscale("log")
+        d.set_yscale("log")
+        d.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        d.xaxis.set_minor_formatter(NullFormatter())
+        d.legend(fontsize=9)
+    else:
+        d.text(0.5, 0.5, "no match_batch calls", ha="center", va="center", transform=d.transAxes)
     d.set_xlabel("requests in the match_batch call (waiting queue)")
     d.set_ylabel("latency (ms)")
     d.set_title(f"match_batch latency ({sims[0].mgr.backend})")
     d.grid(alpha=0.3, which="both")
-    d.legend(fontsize=9)
     fig.suptitle(sims[0].workload.description, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
