@@ -23,11 +23,28 @@ def _env_int(name, default):
     return default if v is None else int(v)
 
 
+TRACE_SKIP = "the Mooncake trace is not in shared/data (set GPUKV_TRACE)"  # the start of every such skip reason
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say once, after the run, why the trace benchmarks were skipped (a quiet
+    run otherwise shows nothing but ``s``)."""
+    missing = [r for r in terminalreporter.stats.get("skipped", []) if TRACE_SKIP in str(r.longrepr)]
+    if not missing:
+        return
+    terminalreporter.write_sep("-", "Mooncake trace not found")
+    terminalreporter.write_line(
+        f"{len(missing)} benchmark(s) skipped: they replay the Mooncake conversation trace (the conversation "
+        "trace of Mooncake's FAST'25 trace release, github.com/kvcache-ai/Mooncake, FAST25-release/traces). "
+        "Set GPUKV_TRACE to its path, or put it at shared/data/mooncake_conversation_trace.jsonl in or "
+        "beside the checkout.")
+
+
 @pytest.fixture(scope="module")
 def workload() -> MatchWorkload:
     path = find_mooncake_trace()
     if path is None:
-        pytest.skip("the Mooncake trace is not in shared/data (set GPUKV_TRACE)")
+        pytest.skip(TRACE_SKIP)
     n_ins = _env_int("GPUKV_BENCH_INSERT", 4000)
     n_q = _env_int("GPUKV_BENCH_QUERIES", max(BATCHES))
     w = build_workload(path, n_ins, n_q)

@@ -5,7 +5,14 @@ device tables, records which KV pages are cached, one page slot per (block,
 life cycle), each page with the number of leading tokens it covers. A scheduler
 asks, for a whole batch at once, how many leading tokens of each request are
 reusable (``KVCacheManager.match_batch``).
+
+The library prints nothing: what it has to say goes to the ``gpukv`` logger
+(``logging.getLogger("gpukv")``), which has no handler of its own, so an
+engine's logging configuration decides where it goes. The ``gpukv`` command
+prints it on stderr.
 """
+
+import logging
 
 from .arena import TokenSequence
 from .core.backend import BackendError
@@ -28,6 +35,8 @@ from .tokens import TokenError
 from .tree import BlockRef
 
 __version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "Attention",

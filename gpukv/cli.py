@@ -8,14 +8,40 @@
 - ``gpukv match``: the index alone: match batches of arriving requests, then
   insert the finished prompts (no KV caches, no page pressure).
 - ``gpukv info``: the backend, library versions and a default manager's config.
+
+The command prints the library's log messages (the ``gpukv`` logger, INFO
+and above) on stderr; results go to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
+
+TRACE_HELP = (
+    "a Mooncake-format JSONL trace (512-token hash ids) instead of the built-in multi-turn chats. "
+    "Without FILE: $GPUKV_TRACE, else shared/data/mooncake_conversation_trace.jsonl in or beside the "
+    "checkout. The trace replayed in docs/performance.md is the conversation trace of Mooncake's FAST'25 "
+    "trace release (github.com/kvcache-ai/Mooncake, FAST25-release/traces)"
+)
+
+
+def trace_path(arg) -> str | None:
+    """The trace a ``--trace [FILE]`` argument names: None when the flag was
+    not given, FILE when it was, else the one ``find_mooncake_trace`` finds."""
+    if arg is None or arg:
+        return arg
+    from .sim.workload import find_mooncake_trace
+
+    found = find_mooncake_trace()
+    if found is None:
+        raise ValueError("--trace without FILE needs $GPUKV_TRACE (the path of a Mooncake-format trace) or "
+                         "shared/data/mooncake_conversation_trace.jsonl in or beside the checkout; "
+                         "see gpukv simulate --help for where the trace comes from")
+    return str(found)
 
 
 def _number(kind, minimum, strict: bool):
@@ -73,6 +99,7 @@ def _requests(args):
     """Token arrays in arrival order, from the trace or the built-in workload."""
     from .sim.workload import expand_tokens, load_mooncake_trace, synthetic_conversations
 
+    args.trace = trace_path(args.trace)
     if args.trace:
         reqs = load_mooncake_trace(args.trace, limit=args.limit)
         return [expand_tokens(r.hash_ids, r.input_length) for r in reqs], f"trace {args.trace}"
@@ -155,9 +182,9 @@ def cmd_match(args) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        width = max(len(k) for k in summary)
-        for k, v in summary.items():
-            print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+        from .sim.simulate import format_summary
+
+        print(format_summary(summary))
     return 0
 
 
@@ -189,6 +216,7 @@ def cmd_simulate(args) -> int:
         raise ValueError(f"--kv-events-wait must be >= 0, got {args.kv_events_wait}")
     if args.kv_events and args.compare:
         raise ValueError("--compare runs twice and would publish twice on the same endpoints; leave out one of them")
+    args.trace = trace_path(args.trace)
     runs = []
     for policy in policies:
         options = sim.SimOptions(
@@ -228,8 +256,11 @@ def cmd_simulate(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "cudasim"])
+    import gpukv
+
     p = argparse.ArgumentParser(prog="gpukv", description="GPU-resident KV-cache prefix-reuse index. "
                                 "Without a command, runs `gpukv simulate`.")
+    p.add_argument("--version", action="version", version=f"gpukv {gpukv.__version__}")
     sub = p.add_subparsers(dest="command")
     sub.add_parser("info", parents=[common], help="backend, versions and default config")
 
@@ -239,8 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "engine does, under GPU page pressure, and report reuse, evictions and match latency.",
     )
     w = s.add_argument_group("workload")
-    w.add_argument("--trace", metavar="FILE", help="a Mooncake-format JSONL trace (512-token hash ids) instead of "
-                   "the built-in multi-turn chats")
+    w.add_argument("--trace", metavar="FILE", nargs="?", const="", help=TRACE_HELP)
     w.add_argument("--limit", type=int, metavar="N", help="take the first N requests")
     w.add_argument("--conversations", type=int, default=200, metavar="N", help="built-in workload: conversations (default 200)")
     w.add_argument("--duration", type=NON_NEGATIVE, default=60.0, metavar="S",
@@ -274,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--kv-events", metavar="ENDPOINT",
                    help="publish each worker's KV cache events over ZMQ in vLLM's format, worker i on ENDPOINT's "
                         "port + i (e.g. tcp://127.0.0.1:5557), for a KV router to subscribe to "
-                        "(needs pip install 'gpukv[events]')")
+                        "(needs pyzmq and msgspec: pip install -e '.[events]' in a checkout)")
     k.add_argument("--kv-events-replay", metavar="ENDPOINT",
                    help="also serve replay requests, worker i on ENDPOINT's port + i")
     k.add_argument("--kv-events-wait", type=float, default=0.0, metavar="S",
@@ -282,11 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     o = s.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON")
     o.add_argument("--plot", metavar="FILE.png", help="save a figure: hit rate over time, match latency vs batch size "
-                   "(needs matplotlib: pip install 'gpukv[plot]')")
+                   "(needs matplotlib: pip install -e '.[plot]' in a checkout)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     m = sub.add_parser("match", parents=[common], help="replay a workload through batched reuse matching only")
-    m.add_argument("--trace", help="a Mooncake-format JSONL trace (512-token hash ids)")
+    m.add_argument("--trace", metavar="FILE", nargs="?", const="", help=TRACE_HELP)
     m.add_argument("--limit", type=int, help="take the first N requests")
     m.add_argument("--conversations", type=int, default=300, help="built-in workload size")
     m.add_argument("--seed", type=SEED, default=0)
@@ -304,31 +334,60 @@ COMMANDS = {"info": cmd_info, "simulate": cmd_simulate, "match": cmd_match}
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
         argv = ["simulate", *argv]  # the main job is the default command
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse has printed the usage and what is wrong
+    except SystemExit as e:  # argparse has printed the usage (or the version) and what is wrong
         return int(e.code or 0)
     from .core.backend import BackendError
     from .sim.simulate import MissingDependency
 
-    try:
-        status = COMMANDS[args.command](args)
-        sys.stdout.flush()  # here, so a closed pipe is handled below and not at exit
-        return status
-    except BrokenPipeError:
-        # The reader (``| head``) has what it wanted: stop quietly, and keep
-        # the interpreter from failing again when it flushes stdout at exit.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
-    except (ValueError, TypeError, OSError, BackendError, MissingDependency) as e:
-        print(f"gpukv: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ngpukv: interrupted", file=sys.stderr)
-        return 130
+    with _log_to_stderr():
+        try:
+            status = COMMANDS[args.command](args)
+            sys.stdout.flush()  # here, so a closed pipe is handled below and not at exit
+            return status
+        except BrokenPipeError:
+            # The reader (``| head``) has what it wanted: stop quietly, and keep
+            # the interpreter from failing again when it flushes stdout at exit.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return 0
+        except (ValueError, TypeError, OSError, BackendError, MissingDependency) as e:
+            print(f"gpukv: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("\ngpukv: interrupted", file=sys.stderr)
+            return 130
+
+
+class _CommandLogFormat(logging.Formatter):
+    """``gpukv simulate: message`` for a record of the ``gpukv.simulate`` logger."""
+
+    def format(self, record):
+        return f"{record.name.replace('.', ' ')}: {record.getMessage()}"
+
+
+class _log_to_stderr:
+    """While a command runs, the ``gpukv`` logger's INFO and above go to
+    stderr; afterwards the logger is as it was (``main`` may be called more
+    than once in a process)."""
+
+    def __enter__(self):
+        self.logger = logging.getLogger("gpukv")
+        self.level = self.logger.level
+        self.handler = logging.StreamHandler(sys.stderr)
+        self.handler.setFormatter(_CommandLogFormat())
+        self.logger.addHandler(self.handler)
+        if self.level == logging.NOTSET or self.level > logging.INFO:
+            self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+        return False
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .simulate import SimOptions, Simulator, Stats, Workload, auto_pages
+from .simulate import TIMELINE_FIELDS, SimOptions, Simulator, Stats, Workload, auto_pages
 
 # Stats fields that are not plain per-worker counts to add up.
 _CLUSTER_LEVEL = {"steps", "peak_running", "peak_waiting", "timeline"}
@@ -85,7 +85,7 @@ class Cluster:
             self._peak_running = max(self._peak_running, sum(len(w.running) for w in self.workers))
             self._peak_waiting = max(self._peak_waiting, sum(len(w.waiting) for w in self.workers))
             s = [w.stats for w in self.workers]
-            self._timeline.append((self.now, sum(x.admitted_input_tokens for x in s), sum(x.reused_tokens for x in s)))
+            self._timeline.append((self.now, *(sum(getattr(x, f) for x in s) for f in TIMELINE_FIELDS)))
             if self.on_step is not None:
                 self.on_step(self)
             self.now += self.options.step_ms
@@ -220,13 +220,20 @@ class ClusterPublishers:
 def run_cluster(workload: Workload, options: SimOptions, workers: int, kv_events: str | None = None,
                 kv_events_replay: str | None = None, wait_s: float = 0.0, progress: bool = False, out=None):
     """Warm up, run ``workers`` engines (publishing on ``kv_events`` when
-    given), and return ``(cluster, summary dict)``."""
-    import sys
+    given), and return ``(cluster, summary dict)``. Where the publishers
+    listen (and how many workers found a subscriber) is written to ``out``
+    when given, else logged at INFO level on the ``gpukv.simulate`` logger."""
+    import logging
     import time
 
     from .simulate import ProgressBar, summarize, warm_up
 
-    out = sys.stderr if out is None else out
+    def say(text):
+        if out is None:
+            logging.getLogger("gpukv.simulate").info("%s", text)
+        else:
+            out.write(f"{text}\n")
+
     options.validate()
     warm_up(replace(options, kv_events=False))
     bar = ProgressBar(len(workload.requests)) if progress else None
@@ -235,10 +242,10 @@ def run_cluster(workload: Workload, options: SimOptions, workers: int, kv_events
     if kv_events:
         publishers = ClusterPublishers(cluster, kv_events, kv_events_replay)
         cluster.on_step = publishers
-        print(publishers.describe(options.tokens_per_block), file=out)
+        say(publishers.describe(options.tokens_per_block))
         if wait_s > 0:
             n = publishers.wait_for_subscribers(wait_s)
-            print(f"{n} of {workers} workers have a subscriber", file=out)
+            say(f"{n} of {workers} workers have a subscriber")
     try:
         t0 = time.perf_counter()
         cluster.run()

@@ -51,6 +51,7 @@ next arrival.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import sys
 import time
@@ -68,6 +69,8 @@ POLICIES = ("per-page", "full-blocks")
 ORDERS = ("longest-prefix", "arrival")
 MODELS = ("hybrid", "attention")
 KV_EVENT_QUEUE = 1 << 20  # the event queue cap of a simulated worker
+
+log = logging.getLogger("gpukv.simulate")
 
 
 # -- options ---------------------------------------------------------------------------------
@@ -264,6 +267,10 @@ def auto_pages(requests: list, options: SimOptions) -> int:
 
 
 # -- the scheduler ---------------------------------------------------------------------------
+# The running totals a step records in ``Stats.timeline`` after its simulated time.
+TIMELINE_FIELDS = ("admitted_input_tokens", "reused_tokens", "computed_tokens", "ssm_hits")
+
+
 @dataclass
 class Stats:
     steps: int = 0
@@ -292,7 +299,8 @@ class Stats:
     match_tokens: list = field(default_factory=list)
     kv_call_s: float = 0.0
     admitted_input_tokens: int = 0  # input tokens of the requests admitted so far (first admissions)
-    timeline: list = field(default_factory=list)  # (simulated ms, admitted input tokens, reused tokens) per step
+    # One row per step: the simulated ms, then the TIMELINE_FIELDS counters so far.
+    timeline: list = field(default_factory=list)
     manager_reuse: dict = field(default_factory=dict)
 
 
@@ -354,7 +362,7 @@ class Simulator:
             self._unstick()
         s.steps += 1
         s.peak_running = max(s.peak_running, len(self.running))
-        s.timeline.append((self.now, s.admitted_input_tokens, s.reused_tokens))
+        s.timeline.append((self.now, *(getattr(s, f) for f in TIMELINE_FIELDS)))
         self.now += self.options.step_ms
         self._collect_manager_stats()
 
@@ -592,8 +600,8 @@ class Simulator:
             return
         r = self.refused  # it does not fit in a pool emptied by eviction
         self.waiting.remove(r)
-        print(f"gpukv simulate: request {r.rid} ({r.compute_len} tokens) does not fit in the pool of "
-              f"{self.pages} pages per life cycle; rejected", file=sys.stderr)
+        log.warning("request %d (%d tokens) does not fit in the pool of %d pages per life cycle; rejected",
+                    r.rid, r.compute_len, self.pages)
         r.seq.release()
         r.seq = None
         r.tokens = None
@@ -681,8 +689,8 @@ def summarize(sim: Simulator, wall_s: float) -> dict:
         "finished": s.finished,
         "rejected": s.rejected,
         "input_tokens": s.input_tokens,
-        "reused_tokens": s.reused_tokens,
         "hit_rate": s.reused_tokens / max(s.input_tokens, 1),
+        "reused_tokens": s.reused_tokens,
         "reused_tokens_from_partial_endpoints": s.partial_reused_tokens,
         "reuses": s.reuses,
         "reuses_ending_mid_block": s.partial_reuses,
@@ -717,6 +725,10 @@ _LABELS = {
     "reuses": "requests reusing anything",
     "reuses_ending_mid_block": "  of which ending inside a block",
     "ssm_snapshot_hits": "SSM snapshot hits (requests)",
+    "ssm_snapshot_hit_rate": "SSM snapshot hit rate (of requests)",
+    "computed_tokens": "tokens computed (prefill not reused, decode)",
+    "match_batch_calls": "match_batch calls",
+    "match_batch_mean_requests": "match_batch mean requests",
     "evicted_pages": "pages evicted from the GPU",
     "migrated_pages": "  of which migrated to host",
     "dropped_pages": "pages dropped",
@@ -733,6 +745,8 @@ def _cell(summary: dict, k: str):
     v = summary[k]
     if k == "manager_reuse_stats" or v is None:
         return None
+    if k == "migrated_pages" and not summary.get("host_pages_per_life_cycle"):
+        return None  # without a host tier nothing can migrate
     if k in ("hit_rate", "ssm_snapshot_hit_rate"):
         return f"{v:.2%}"
     if isinstance(v, float):
@@ -744,12 +758,23 @@ def _cell(summary: dict, k: str):
 
 def format_summary(*summaries: dict) -> str:
     """Summaries as an aligned table, one value column per run. Rows whose
-    values are equal in every run are shown once, before the others."""
+    values are equal in every run are shown once, before the others; an
+    "of which" row stays under the row it breaks down (the two move together)."""
     keys = [k for k in summaries[0] if _cell(summaries[0], k) is not None]
     cells = {k: [_cell(s, k) for s in summaries] for k in keys}
-    shared = [k for k in keys if len(set(cells[k])) == 1] if len(summaries) > 1 else keys
-    differ = [k for k in keys if k not in shared]
     label = {k: _LABELS.get(k, k.replace("_", " ")) for k in keys}
+    groups: list[list[str]] = []  # a row and the indented rows under it
+    for k in keys:
+        if label[k].startswith(" ") and groups:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    if len(summaries) > 1:
+        same = [all(len(set(cells[k])) == 1 for k in g) for g in groups]
+        shared = [k for g, y in zip(groups, same) if y for k in g]
+        differ = [k for g, y in zip(groups, same) if not y for k in g]
+    else:
+        shared, differ = keys, []
     width = max(len(label[k]) for k in keys)
     lines = [f"{label[k]:<{width}}  {cells[k][0]}" for k in shared]
     if differ:
@@ -765,53 +790,124 @@ def require_matplotlib():
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise MissingDependency("--plot needs matplotlib: pip install 'gpukv[plot]' (or pip install matplotlib)") from None
+        raise MissingDependency("--plot needs matplotlib: pip install -e '.[plot]' in a gpukv checkout "
+                                "(or pip install matplotlib)") from None
 
 
 class MissingDependency(RuntimeError):
     """An optional dependency a requested feature needs is not installed."""
 
 
+def _at(t, y, grid):
+    """The running total ``y`` (recorded at times ``t``) at each time of
+    ``grid``: its last value at or before it, 0 before the first."""
+    if not len(t):
+        return np.zeros(len(grid))
+    i = np.searchsorted(t, grid, side="right") - 1
+    return np.where(i >= 0, y[np.maximum(i, 0)], 0.0)
+
+
+def plot_series(sims: list) -> dict:
+    """What ``plot`` draws, as arrays: per run (``runs``, in order) its label,
+    the simulated time of each step (s) and the running totals then of the
+    tokens computed (prompt tokens not reused, decode tokens, and whatever a
+    preemption made computed again) and of SSM snapshot hits; with a per-page
+    and a full-blocks run, ``saved``: the recomputation per-page coverage
+    saves, full-blocks' tokens computed minus per-page's at each time either
+    run recorded (the decode tokens are the same in both)."""
+    runs = []
+    for sim in sims:
+        tl = np.asarray(sim.stats.timeline, dtype=np.float64).reshape(-1, 1 + len(TIMELINE_FIELDS))
+        col = {f: tl[:, 1 + i] for i, f in enumerate(TIMELINE_FIELDS)}
+        runs.append({
+            "label": sim.options.policy, "t_s": tl[:, 0] / 1e3,
+            "computed": col["computed_tokens"], "ssm_hits": col["ssm_hits"],
+            "admitted": col["admitted_input_tokens"], "reused": col["reused_tokens"],
+            "total_computed": int(sim.stats.computed_tokens), "total_ssm_hits": int(sim.stats.ssm_hits),
+            "has_ssm": bool(sim.has_ssm), "requests": int(sim.stats.requests),
+        })
+    by = {r["label"]: r for r in runs}
+    saved = None
+    if "per-page" in by and "full-blocks" in by:
+        pp, fb = by["per-page"], by["full-blocks"]
+        grid = np.union1d(pp["t_s"], fb["t_s"])
+        saved = {"t_s": grid, "tokens": _at(fb["t_s"], fb["computed"], grid) - _at(pp["t_s"], pp["computed"], grid),
+                 "total": fb["total_computed"] - pp["total_computed"], "of": fb["total_computed"]}
+    return {"runs": runs, "saved": saved}
+
+
 def plot(sims: list, path: str):
-    """Hit rate over simulated time (one line per run) and match_batch latency
-    against batch size; needs matplotlib (``pip install 'gpukv[plot]'``)."""
+    """Save a figure of one or more runs (``plot_series``): tokens computed
+    over simulated time, what per-page coverage saves against full blocks
+    (with both policies; else the hit rate), SSM snapshot hits over time, and
+    match_batch latency against batch size. Needs matplotlib."""
     require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+    from matplotlib.ticker import FormatStrFormatter, FuncFormatter, NullFormatter
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for k, sim in enumerate(sims):
-        color = f"C{k}"
-        tl = np.asarray(sim.stats.timeline, dtype=np.float64)
-        if not len(tl):
-            continue
-        t = tl[:, 0] / 1e3
-        a.plot(t, 100 * tl[:, 2] / np.maximum(tl[:, 1], 1), color=color, label=f"{sim.options.policy}, cumulative")
-        # The hit rate of the requests arriving in each twentieth of the run.
-        edges = np.linspace(0, len(tl) - 1, 21).astype(int)
-        d_in, d_re = np.diff(tl[edges, 1]), np.diff(tl[edges, 2])
-        ok = d_in > 0
-        a.step(t[edges[1:]][ok], 100 * d_re[ok] / d_in[ok], where="pre", color=color, alpha=0.4, lw=1,
-               label=f"{sim.options.policy}, per interval")
+    data = plot_series(sims)
+    thousands = FuncFormatter(lambda v, _: f"{v:,.0f}")
+    fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(12, 8))
+    for k, (sim, r) in enumerate(zip(sims, data["runs"])):
+        color, dashes = f"C{k}", "-" if k == 0 else "--"  # dashed: a line another run's may cover
+        a.plot(r["t_s"], r["computed"], dashes, color=color, label=f"{r['label']}: {r['total_computed']:,} in total")
+        if r["has_ssm"]:
+            c.plot(r["t_s"], r["ssm_hits"], dashes, color=color,
+                   label=f"{r['label']}: {r['total_ssm_hits']:,} of {r['requests']:,} requests")
         lat = np.asarray(sim.stats.match_latency_s) * 1e3
-        b.scatter(sim.stats.match_batch, lat, s=5, alpha=0.4, color=color, label=sim.options.policy)
-    a.set_xlabel("simulated time (s)")
-    a.set_ylabel("hit rate (% of input tokens)")
-    a.set_title("prefix reuse")
-    a.grid(alpha=0.3)
-    a.legend(fontsize=8)
-    b.set_xscale("log")
-    b.set_yscale("log")
-    b.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-    b.xaxis.set_minor_formatter(NullFormatter())
-    b.set_xlabel("requests in the match_batch call (waiting queue)")
-    b.set_ylabel("latency (ms)")
-    b.set_title(f"match_batch latency ({sims[0].mgr.backend})")
-    b.grid(alpha=0.3, which="both")
-    b.legend()
+        d.scatter(sim.stats.match_batch, lat, s=5, alpha=0.4, color=color, label=r["label"])
+    a.set_title("tokens computed (running total)")
+    a.set_ylabel("prompt tokens not reused + decode tokens")
+    a.yaxis.set_major_formatter(thousands)
+    a.legend(fontsize=9)
+
+    saved = data["saved"]
+    if saved is not None:
+        b.plot(saved["t_s"], saved["tokens"], color="C2")
+        b.fill_between(saved["t_s"], 0, saved["tokens"], color="C2", alpha=0.2)
+        b.axhline(0, color="0.3", lw=0.8)
+        b.set_ylim(top=max(1.0, 1.3 * float(saved["tokens"].max(initial=0))))  # room for the total above the curve
+        b.set_title("recomputation per-page coverage saves")
+        b.set_ylabel("tokens computed: full-blocks minus per-page")
+        b.yaxis.set_major_formatter(thousands)
+        share = saved["total"] / max(saved["of"], 1)
+        b.text(0.03, 0.95, f"{saved['total']:,} tokens in total\n({share:.1%} of full-blocks' tokens computed)",
+               transform=b.transAxes, ha="left", va="top", fontsize=9)
+    else:  # one policy: its hit rate over time
+        for k, r in enumerate(data["runs"]):
+            b.plot(r["t_s"], 100 * r["reused"] / np.maximum(r["admitted"], 1), "-" if k == 0 else "--",
+                   color=f"C{k}", label=r["label"])
+        b.set_title("hit rate (running; --compare shows what per-page coverage saves)")
+        b.set_ylabel("reused / input tokens (%)")
+        b.legend(fontsize=9)
+
+    if any(r["has_ssm"] for r in data["runs"]):
+        c.set_title("SSM snapshot hits (running total)")
+        c.set_ylabel("requests resuming from an SSM snapshot")
+        c.legend(fontsize=9)
+    else:
+        c.set_title("SSM snapshot hits")
+        c.text(0.5, 0.5, "no SSM layer in this model", ha="center", va="center", transform=c.transAxes)
+    for ax in (a, b, c):
+        ax.set_xlabel("simulated time (s)")
+        ax.grid(alpha=0.3)
+
+    if any(len(sim.stats.match_latency_s) for sim in sims):  # a log axis needs data
+        d.set_xscale("log")
+        d.set_yscale("log")
+        d.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        d.xaxis.set_minor_formatter(NullFormatter())
+        d.legend(fontsize=9)
+    else:
+        d.text(0.5, 0.5, "no match_batch calls", ha="center", va="center", transform=d.transAxes)
+    d.set_xlabel("requests in the match_batch call (waiting queue)")
+    d.set_ylabel("latency (ms)")
+    d.set_title(f"match_batch latency ({sims[0].mgr.backend})")
+    d.grid(alpha=0.3, which="both")
+    fig.suptitle(sims[0].workload.description, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,264 @@
+"""Conventions of the command and the library: ``--version``, log messages
+through the ``gpukv`` logger (the library prints nothing), one number format
+for every command, the trace found through ``GPUKV_TRACE``, install hints
+that work from a checkout, and the benchmarks saying why they were skipped.
+
+The command runs in-process (``gpukv.cli.main``) on small workloads."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import gpukv
+from gpukv import cli
+from gpukv.sim import simulate as sim
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--conversations", "4", "--duration", "2", "--backend", "cpu", "--no-progress", "--tokens-per-block", "32"]
+# Four requests, some longer than a pool of 8 pages of 32 tokens: the simulator rejects those.
+TOO_SMALL_POOL = ["--conversations", "4", "--duration", "1", "--seed", "2", "--pages", "8", "--model", "attention",
+                  "--backend", "cpu", "--no-progress", "--tokens-per-block", "32"]
+
+
+# -- the version ---------------------------------------------------------------------------------------
+def test_version_flag_prints_the_package_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"gpukv {gpukv.__version__}\n"
+
+
+def test_version_agrees_with_the_package_metadata():
+    version = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert version is not None and gpukv.__version__ == version.group(1)
+
+
+# -- logging -----------------------------------------------------------------------------------------
+def _library_modules():
+    return [p for p in (REPO / "gpukv").rglob("*.py") if p.name != "cli.py"]
+
+
+def test_the_library_has_no_print_or_warning_calls():
+    """Only the command prints; the library logs (``logging.getLogger("gpukv...")``)."""
+    found = []
+    for path in _library_modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else ast.unparse(f)
+            if name in ("print", "warnings.warn", "sys.stderr.write", "sys.stdout.write"):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
+    assert found == []
+
+
+def test_the_gpukv_logger_is_silent_unless_configured():
+    logger = logging.getLogger("gpukv")
+    assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)  # no "last resort" stderr output
+
+
+def test_a_rejected_request_is_logged_not_printed(capsys, caplog):
+    w = sim.default_workload(4, seed=2, tokens_per_block=32, duration_s=1.0)
+    s = sim.Simulator(w, sim.SimOptions(backend="cpu", tokens_per_block=32, pages=8, model="attention"))
+    with caplog.at_level(logging.WARNING, logger="gpukv"):
+        s.run()
+    assert s.stats.rejected > 0
+    msgs = [r.getMessage() for r in caplog.records if r.name == "gpukv.simulate"]
+    assert len(msgs) == s.stats.rejected and all("does not fit in the pool of 8 pages" in m for m in msgs)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_command_shows_the_library_log_on_stderr(capsys):
+    logger = logging.getLogger("gpukv")
+    before = (list(logger.handlers), logger.level)
+    assert cli.main([*TOO_SMALL_POOL, "--json"]) == 0
+    cap = capsys.readouterr()
+    summary = json.loads(cap.out)  # stdout stays the JSON document alone
+    rejected = [line for line in cap.err.splitlines() if line.startswith("gpukv simulate: request ")]
+    assert summary["rejected"] > 0 and len(rejected) == summary["rejected"]
+    assert (list(logger.handlers), logger.level) == before  # main leaves the logger as it found it
+
+
+# -- number formats ------------------------------------------------------------------------------------
+def _rows(text):
+    """label -> value columns of a summary table (labels and values are split by 2+ spaces)."""
+    out = {}
+    for line in text.splitlines():
+        parts = re.split(r"\s{2,}", line.strip())
+        if len(parts) >= 2:
+            out[parts[0]] = parts[1:]
+    return out
+
+
+def _kind(value: str) -> str:
+    if re.fullmatch(r"\d+(\.\d+)?%", value):
+        return "percent"
+    if re.fullmatch(r"\d{1,3}(,\d{3})*", value):
+        return "integer"
+    if re.fullmatch(r"[\d,]*\.?\d+(e[+-]\d+)?", value):
+        return "number"
+    return "text"
+
+
+def test_match_and_simulate_format_numbers_alike(capsys):
+    assert cli.main(["match", "--conversations", "6", "--backend", "cpu"]) == 0
+    match = _rows(capsys.readouterr().out)
+    assert cli.main(SMALL) == 0
+    simulate = _rows(capsys.readouterr().out)
+    shared = [k for k in match if k in simulate]
+    assert {"input tokens", "hit rate (reused / input tokens)", "match_batch latency p50 (ms)"} <= set(shared)
+    for k in shared:
+        assert _kind(match[k][0]) == _kind(simulate[k][0]), (k, match[k], simulate[k])
+    assert _kind(match["hit rate (reused / input tokens)"][0]) == "percent"
+    tokens = match["input tokens"][0]
+    assert _kind(tokens) == "integer" and int(tokens.replace(",", "")) >= 1000 and "," in tokens
+
+
+# -- the compare table ---------------------------------------------------------------------------------
+def _summary(**changes):
+    base = {"policy": "per-page", "host_pages_per_life_cycle": 0, "hit_rate": 0.9, "ssm_snapshot_hits": 10,
+            "ssm_snapshot_hit_rate": 0.99, "evicted_pages": 100, "migrated_pages": 0, "dropped_pages": 0}
+    return {**base, **changes}
+
+
+def test_compare_keeps_an_of_which_row_under_its_row():
+    a = _summary(host_pages_per_life_cycle=64, migrated_pages=7)
+    b = _summary(host_pages_per_life_cycle=64, migrated_pages=7, policy="full-blocks", evicted_pages=90)
+    lines = sim.format_summary(a, b).splitlines()
+    evicted = next(i for i, line in enumerate(lines) if line.startswith("pages evicted"))
+    assert lines[evicted + 1].startswith("  of which migrated to host")
+    assert lines[evicted + 1].split()[-2:] == ["7", "7"]  # shown with both runs, beside the row it breaks down
+
+
+def test_no_migration_row_without_a_host_tier():
+    text = sim.format_summary(_summary(), _summary(policy="full-blocks", evicted_pages=90))
+    assert "migrated" not in text
+    ssm = next(line for line in text.splitlines() if line.startswith("SSM snapshot hit rate"))
+    assert ssm.split()[-1] == "99.00%"
+
+
+# -- the trace -----------------------------------------------------------------------------------------
+def _trace(tmp_path):
+    p = tmp_path / "small_trace.jsonl"
+    rows = [{"timestamp": 0, "input_length": 700, "output_length": 3, "hash_ids": [1, 2]},
+            {"timestamp": 100, "input_length": 900, "output_length": 3, "hash_ids": [1, 3]}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+@pytest.mark.parametrize("command", ["simulate", "match"])
+def test_trace_without_a_path_is_gpukv_trace(command, tmp_path, monkeypatch, capsys):
+    path = _trace(tmp_path)
+    monkeypatch.setenv("GPUKV_TRACE", str(path))
+    extra = ["--model", "attention", "--no-progress"] if command == "simulate" else ["--batch", "1"]
+    assert cli.main([command, "--trace", "--backend", "cpu", "--tokens-per-block", "32", "--json", *extra]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert str(path) in out["workload"] and out["requests"] == 2
+    assert out["reused_tokens"] == 512  # the second request reuses the first's shared 512-token block
+
+
+def test_trace_without_a_path_or_gpukv_trace_says_what_to_set(monkeypatch, capsys):
+    monkeypatch.setattr("gpukv.sim.workload.find_mooncake_trace", lambda: None)
+    assert cli.main(["--trace", "--backend", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--trace without FILE needs $GPUKV_TRACE" in err and "Traceback" not in err
+
+
+def test_trace_help_says_where_the_trace_comes_from(capsys):
+    assert cli.main(["simulate", "--help"]) == 0
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines at spaces and hyphens
+    assert "WithoutFILE:$GPUKV_TRACE" in text and "github.com/kvcache-ai/Mooncake" in text
+
+
+# -- install hints -------------------------------------------------------------------------------------
+def test_plot_hint_installs_from_the_checkout(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(sim.MissingDependency, match=re.escape("pip install -e '.[plot]'")):
+        sim.require_matplotlib()
+
+
+# -- the benchmarks ------------------------------------------------------------------------------------
+class _Reporter:
+    def __init__(self, skipped):
+        self.stats = {"skipped": skipped}
+        self.lines = []
+
+    def write_sep(self, sep, title):
+        self.lines.append(title)
+
+    def write_line(self, line):
+        self.lines.append(line)
+
+
+def test_benchmarks_say_once_why_they_were_skipped():
+    from bench import conftest
+
+    reason = ("bench/test_match.py", 1, f"Skipped: {conftest.TRACE_SKIP}")
+    other = ("bench/test_match.py", 2, "Skipped: batch 1024 needs more than the 10 queries")
+    rep = _Reporter([SimpleNamespace(longrepr=reason)] * 3 + [SimpleNamespace(longrepr=other)])
+    conftest.pytest_terminal_summary(rep)
+    text = "\n".join(rep.lines)
+    assert text.count("3 benchmark(s) skipped") == 1 and "GPUKV_TRACE" in text and "kvcache-ai/Mooncake" in text
+    quiet = _Reporter([SimpleNamespace(longrepr=other)])
+    conftest.pytest_terminal_summary(quiet)
+    assert quiet.lines == []
+
+
+# -- the figure ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def both_runs():
+    out = []
+    for policy in sim.POLICIES:
+        w = sim.default_workload(12, seed=3, tokens_per_block=32, duration_s=10.0)
+        s = sim.Simulator(w, sim.SimOptions(policy=policy, tokens_per_block=32, backend="cpu"))
+        s.run()
+        out.append(s)
+    return out
+
+
+def test_plot_series_shows_what_per_page_coverage_saves(both_runs):
+    data = sim.plot_series(both_runs)
+    per_page, full_blocks = data["runs"]
+    for run, s in zip(data["runs"], both_runs):
+        assert run["computed"][-1] == run["total_computed"] == s.stats.computed_tokens
+        assert run["ssm_hits"][-1] == run["total_ssm_hits"] == s.stats.ssm_hits > 0
+        assert (np.diff(run["computed"]) >= 0).all() and (np.diff(run["t_s"]) > 0).all()
+    saved = data["saved"]
+    assert saved["total"] == full_blocks["total_computed"] - per_page["total_computed"] > 0
+    assert saved["tokens"][-1] == saved["total"] and saved["tokens"][0] == 0
+    assert len(saved["t_s"]) >= max(len(per_page["t_s"]), len(full_blocks["t_s"]))
+    assert sim.plot_series(both_runs[:1])["saved"] is None  # one policy: nothing to compare with
+
+
+def test_plot_of_one_run_and_of_both(both_runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    for runs, name in ((both_runs, "both.png"), (both_runs[1:], "one.png")):
+        sim.plot(runs, str(tmp_path / name))
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_runs_without_requests(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = []
+    for policy in sim.POLICIES:
+        s = sim.Simulator(sim.Workload([], "nothing"), sim.SimOptions(policy=policy, pages=16, backend="cpu"))
+        s.run()
+        runs.append(s)
+    assert sim.plot_series(runs)["saved"]["total"] == 0
+    sim.plot(runs, str(tmp_path / "empty.png"))
+    assert (tmp_path / "empty.png").stat().st_size > 0
