@@ -85,6 +85,12 @@ def cmd_info(args) -> int:
     mgr = gpukv.KVCacheManager(config)
     print(f"gpukv {gpukv.__version__}")
     print(f"backend: {mgr.backend}")
+    if args.backend == "auto" and mgr.backend == "cpu":
+        from .core.backend import cuda_unusable_reason
+
+        forced = os.environ.get("GPUKV_BACKEND", "auto")
+        why = f"GPUKV_BACKEND={forced}" if forced != "auto" else cuda_unusable_reason()
+        print(f"  (auto chose cpu: {why})")
     for name, v in _versions().items():
         print(f"{name}: {v}")
     print("default config:")

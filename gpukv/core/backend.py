@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import sys
 import warnings
 from dataclasses import dataclass
 
@@ -49,14 +48,39 @@ def _kernel_source_digest() -> str:
 
 
 # Numba's on-disk cache: a second process loads compiled kernels instead of
-# recompiling them. Keep it out of the (possibly read-only) package folder.
+# recompiling them. Kept out of the (possibly read-only) package folder, and
+# scoped to gpukv's own kernel sources: a locator consulted before Numba's
+# own sends only functions defined under this package here, so the engine's
+# Numba caches (NUMBA_CACHE_DIR or its defaults) stay where they were.
 CACHE_DIR = os.path.join(
     os.environ.get("GPUKV_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "gpukv-numba")),
     _kernel_source_digest(),
 )
-os.environ["NUMBA_CACHE_DIR"] = CACHE_DIR
-if "numba" in sys.modules:  # imported before gpukv: tell its live config too
-    sys.modules["numba"].config.CACHE_DIR = CACHE_DIR
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _install_cache_locator():
+    from numba.core import caching
+
+    if any(getattr(c, "gpukv_locator", False) for c in caching.CacheImpl._locator_classes):
+        return
+
+    class KernelCacheLocator(caching.UserProvidedCacheLocator):
+        gpukv_locator = True
+
+        def __init__(self, py_func, py_file):
+            self._py_file = py_file
+            self._lineno = py_func.__code__.co_firstlineno
+            self._cache_path = os.path.join(CACHE_DIR, self.get_suitable_cache_subpath(py_file))
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if not os.path.abspath(py_file).startswith(_PACKAGE_DIR + os.sep):
+                return None
+            return super(caching.UserProvidedCacheLocator, cls).from_function(py_func, py_file)
+
+    caching.CacheImpl._locator_classes.insert(0, KernelCacheLocator)
+
 
 BACKENDS = ("auto", "cpu", "cuda", "cudasim")
 
@@ -72,17 +96,35 @@ def simulator_enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_usable() -> bool:
-    """True when a real GPU, CuPy and Numba's CUDA target all work here."""
+def cuda_unusable_reason() -> str | None:
+    """Why the ``cuda`` backend cannot run here, or None when it can.
+
+    A real GPU, CuPy and Numba's CUDA target must all work; the first failure
+    is named with its exception's message, so an ``auto`` that fell back to
+    ``cpu`` can say why (``gpukv info``)."""
     if simulator_enabled():
-        return False
+        return "Numba's CUDA simulator is enabled in this process (NUMBA_ENABLE_CUDASIM=1)"
     try:
         import cupy
+    except Exception as e:  # noqa: BLE001 -- any import failure is the answer
+        return f"CuPy does not import: {type(e).__name__}: {e}"
+    try:
         from numba import cuda
+    except Exception as e:  # noqa: BLE001
+        return f"numba.cuda does not import: {type(e).__name__}: {e}"
+    try:
+        if not cuda.is_available():
+            return "numba.cuda finds no usable GPU or CUDA driver"
+        if cupy.cuda.runtime.getDeviceCount() <= 0:
+            return "CuPy sees no GPU"
+    except Exception as e:  # noqa: BLE001 -- a driver or runtime failure
+        return f"no usable GPU: {type(e).__name__}: {e}"
+    return None
 
-        return bool(cuda.is_available()) and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # any import or driver failure means: no usable GPU
-        return False
+
+def cuda_usable() -> bool:
+    """True when a real GPU, CuPy and Numba's CUDA target all work here."""
+    return cuda_unusable_reason() is None
 
 
 def resolve(name: str | None) -> str:
@@ -103,7 +145,7 @@ def resolve(name: str | None) -> str:
             "in the environment before numba is imported"
         )
     if name == "cuda" and not cuda_usable():
-        raise BackendError("backend 'cuda' needs a GPU with CuPy and numba-cuda working")
+        raise BackendError(f"backend 'cuda' needs a GPU with CuPy and numba-cuda working: {cuda_unusable_reason()}")
     return name
 
 
@@ -188,6 +230,7 @@ def cpu_kernel(f, nogil: bool = False):
     tree and sequence kernels have no reason to release it."""
     from numba import njit
 
+    _install_cache_locator()
     return njit(cache=True, nogil=nogil, _nrt=False)(f)
 
 
