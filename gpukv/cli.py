@@ -188,7 +188,7 @@ def cmd_match(args) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        from .sim.simulate import format_summary
+        from .sim.report import format_summary
 
         print(format_summary(summary))
     return 0
@@ -197,6 +197,7 @@ def cmd_match(args) -> int:
 def cmd_simulate(args) -> int:
     import json
 
+    from .sim import report
     from .sim import simulate as sim
 
     if args.limit is not None and args.limit < 0:
@@ -213,7 +214,7 @@ def cmd_simulate(args) -> int:
     if args.compare and args.policy is not None:
         raise ValueError("--compare runs both policies; leave out --policy / --no-partial-reuse")
     if args.plot:
-        sim.require_matplotlib()
+        report.require_matplotlib()
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if args.kv_events_replay and not args.kv_events:
@@ -249,11 +250,11 @@ def cmd_simulate(args) -> int:
             runs.append(sim.run_simulation(workload, options, progress=progress))
     summaries = [s for _, s in runs]
     if args.plot:
-        sim.plot([r for r, _ in runs], args.plot)
+        report.plot([r for r, _ in runs], args.plot)
     if args.json:
         print(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=2))
     else:
-        print(sim.format_summary(*summaries))
+        print(report.format_summary(*summaries))
         if args.plot:
             print(f"\nfigure: {args.plot}")
     return 0
@@ -347,7 +348,7 @@ def main(argv=None) -> int:
     except SystemExit as e:  # argparse has printed the usage (or the version) and what is wrong
         return int(e.code or 0)
     from .core.backend import BackendError
-    from .sim.simulate import MissingDependency
+    from .sim.report import MissingDependency
 
     with _log_to_stderr():
         try:

@@ -19,6 +19,7 @@ import pytest
 
 import gpukv
 from gpukv import cli
+from gpukv.sim import report
 from gpukv.sim import simulate as sim
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,14 +131,14 @@ def _summary(**changes):
 def test_compare_keeps_an_of_which_row_under_its_row():
     a = _summary(host_pages_per_life_cycle=64, migrated_pages=7)
     b = _summary(host_pages_per_life_cycle=64, migrated_pages=7, policy="full-blocks", evicted_pages=90)
-    lines = sim.format_summary(a, b).splitlines()
+    lines = report.format_summary(a, b).splitlines()
     evicted = next(i for i, line in enumerate(lines) if line.startswith("pages evicted"))
     assert lines[evicted + 1].startswith("  of which migrated to host")
     assert lines[evicted + 1].split()[-2:] == ["7", "7"]  # shown with both runs, beside the row it breaks down
 
 
 def test_no_migration_row_without_a_host_tier():
-    text = sim.format_summary(_summary(), _summary(policy="full-blocks", evicted_pages=90))
+    text = report.format_summary(_summary(), _summary(policy="full-blocks", evicted_pages=90))
     assert "migrated" not in text
     ssm = next(line for line in text.splitlines() if line.startswith("SSM snapshot hit rate"))
     assert ssm.split()[-1] == "99.00%"
@@ -188,8 +189,8 @@ def test_plot_hint_installs_from_the_checkout(monkeypatch):
         return real(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    with pytest.raises(sim.MissingDependency, match=re.escape("pip install -e '.[plot]'")):
-        sim.require_matplotlib()
+    with pytest.raises(report.MissingDependency, match=re.escape("pip install -e '.[plot]'")):
+        report.require_matplotlib()
 
 
 # -- the benchmarks ------------------------------------------------------------------------------------
@@ -232,7 +233,7 @@ def both_runs():
 
 
 def test_plot_series_shows_what_per_page_coverage_saves(both_runs):
-    data = sim.plot_series(both_runs)
+    data = report.plot_series(both_runs)
     per_page, full_blocks = data["runs"]
     for run, s in zip(data["runs"], both_runs):
         assert run["computed"][-1] == run["total_computed"] == s.stats.computed_tokens
@@ -242,13 +243,13 @@ def test_plot_series_shows_what_per_page_coverage_saves(both_runs):
     assert saved["total"] == full_blocks["total_computed"] - per_page["total_computed"] > 0
     assert saved["tokens"][-1] == saved["total"] and saved["tokens"][0] == 0
     assert len(saved["t_s"]) >= max(len(per_page["t_s"]), len(full_blocks["t_s"]))
-    assert sim.plot_series(both_runs[:1])["saved"] is None  # one policy: nothing to compare with
+    assert report.plot_series(both_runs[:1])["saved"] is None  # one policy: nothing to compare with
 
 
 def test_plot_of_one_run_and_of_both(both_runs, tmp_path):
     pytest.importorskip("matplotlib")
     for runs, name in ((both_runs, "both.png"), (both_runs[1:], "one.png")):
-        sim.plot(runs, str(tmp_path / name))
+        report.plot(runs, str(tmp_path / name))
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -259,6 +260,6 @@ def test_plot_of_runs_without_requests(tmp_path):
         s = sim.Simulator(sim.Workload([], "nothing"), sim.SimOptions(policy=policy, pages=16, backend="cpu"))
         s.run()
         runs.append(s)
-    assert sim.plot_series(runs)["saved"]["total"] == 0
-    sim.plot(runs, str(tmp_path / "empty.png"))
+    assert report.plot_series(runs)["saved"]["total"] == 0
+    report.plot(runs, str(tmp_path / "empty.png"))
     assert (tmp_path / "empty.png").stat().st_size > 0

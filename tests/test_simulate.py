@@ -18,10 +18,9 @@ from gpukv.sim.simulate import (
     Simulator,
     auto_pages,
     default_workload,
-    format_summary,
-    summarize,
     trace_workload,
 )
+from gpukv.sim.report import format_summary, summarize
 from gpukv.sim.workload import find_mooncake_trace
 
 

@@ -177,7 +177,7 @@ class ClusterPublishers:
         try:
             from ..zmq_events import ZmqEventPublisher
         except ImportError as e:
-            from .simulate import MissingDependency
+            from .report import MissingDependency
 
             raise MissingDependency(str(e)) from None
         self.publishers = []
@@ -226,7 +226,8 @@ def run_cluster(workload: Workload, options: SimOptions, workers: int, kv_events
     import logging
     import time
 
-    from .simulate import ProgressBar, summarize, warm_up
+    from .report import ProgressBar, summarize
+    from .simulate import warm_up
 
     def say(text):
         if out is None:
