@@ -1,0 +1,67 @@
+"""The package's layers, as docs/architecture.md lists them: each folder
+imports only what lies below it."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gpukv"
+
+
+def gpukv_imports(path: Path) -> set[str]:
+    """Every gpukv module the file imports (relative imports resolved), at any depth."""
+    parts = ("gpukv",) + path.relative_to(PACKAGE).with_suffix("").parts
+    here = parts[:-1]  # the file's package
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "gpukv")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - node.level + 1]
+                mod = ".".join(base + ((node.module,) if node.module else ()))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "gpukv":
+                continue
+            if node.module is None:  # from . import x: x is a module of that package
+                out.update(f"{mod}.{a.name}" for a in node.names)
+            else:
+                out.add(mod)
+    return out
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ("core", "kernels", "sim"):
+        return parts[1]
+    if module in ("gpukv.cli",):
+        return "cli"
+    return "facade"
+
+
+ALLOWED = {
+    "core": {"core"},
+    "kernels": {"core", "kernels"},
+    "facade": {"core", "kernels", "facade"},
+    "sim": {"facade", "sim"},  # the public package and its own modules
+    "cli": {"core", "facade", "sim", "cli"},
+}
+
+FILES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(PACKAGE)) for p in FILES])
+def test_each_module_imports_only_the_layers_below(path):
+    module = ".".join(("gpukv",) + path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+    layer = layer_of(module)
+    wrong = sorted(m for m in gpukv_imports(path) if layer_of(m) not in ALLOWED[layer])
+    assert not wrong, f"{module} ({layer}) imports {wrong}"
+
+
+def test_the_rule_sees_a_violation():
+    assert layer_of("gpukv.sim.simulate") == "sim"
+    assert "sim" not in ALLOWED["facade"] and "facade" not in ALLOWED["kernels"]
+    found = gpukv_imports(PACKAGE / "kernels" / "tree.py")
+    assert any(m.startswith("gpukv.core") for m in found)  # relative imports are resolved
