@@ -125,25 +125,27 @@ class KVCacheManager:
         life_cycle_id) -> 0..100`` gives the eviction priority of the pages this
         cache creates (default 35; lower values are evicted first)."""
         kv = KVCache(self._cache_context, scope, priority_callback)
-        if input_tokens is None:
-            self._open_caches.add(kv)
-            return kv
-        tokens = token_array(input_tokens, self._tables.intern_digest)
-        m = self._matcher.match([tokens], scope).to_host()
-        n = int(m.num_tokens[0])
-        self._open_caches.add(kv)
+        tokens, n = None, 0
+        if input_tokens is not None:
+            tokens = token_array(input_tokens, self._tables.intern_digest)
+            m = self._matcher.match([tokens], scope).to_host()
+            n = int(m.num_tokens[0])
+        # From here to the return, an exception (an interrupt included) means
+        # the caller never gets this cache: it must not stay open, holding its
+        # reused pages and keeping shutdown() refused.
         try:
+            self._open_caches.add(kv)
             if n:
                 kv._setup_reuse(tokens, n, m.blocks(0))
+            if tokens is not None:
+                self._stats.record(len(tokens), n, self.tokens_per_block, self.ssm_life_cycle_id is not None)
+            return kv
         except BaseException:
-            # The caller never gets this cache: release what it may hold.
             try:
                 kv._close()
             except BaseException:
                 pass  # the first exception is the one to report
             raise
-        self._stats.record(len(tokens), n, self.tokens_per_block, self.ssm_life_cycle_id is not None)
-        return kv
 
     @serialized("mgr.get_and_reset_reuse_stats()")
     def get_and_reset_reuse_stats(self) -> dict:

@@ -456,6 +456,112 @@ def test_faults_anywhere_cudasim():
 
 
 # ---------------------------------------------------------------------------
+# what the harness found: a cache the caller never received
+# ---------------------------------------------------------------------------
+
+
+def _interrupt_at_line(function_name: str, k: int):
+    """A trace function raising KeyboardInterrupt before the ``k``-th line of
+    gpukv's ``function_name`` runs; returns (trace, fired)."""
+    left, fired = [k], []
+
+    def local(frame, event, arg):
+        if event == "line":
+            left[0] -= 1
+            if left[0] == 0:
+                fired.append(frame.f_lineno)
+                raise KeyboardInterrupt(f"injected at line {frame.f_lineno}")
+        return local
+
+    def trace(frame, event, arg):
+        code = frame.f_code
+        return local if code.co_name == function_name and code.co_filename.startswith(_HOST) else None
+
+    return trace, fired
+
+
+@pytest.mark.parametrize("with_input", [True, False], ids=["reusing", "empty"])
+def test_create_kv_cache_interrupted_anywhere_leaves_no_unreachable_open_cache(with_input):
+    """An interrupt at any line of create_kv_cache: either the caller gets the
+    cache, or no open cache is left behind (one would hold its reused pages
+    for good and make shutdown() refuse forever)."""
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=16)
+    prompt = list(range(1, 11))
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(10, 10)
+    kv.commit(prompt)
+    kv.close()
+    lines = set()
+    for k in range(1, 200):
+        trace, fired = _interrupt_at_line("create_kv_cache", k)
+        sys.settrace(trace)
+        try:
+            got = mgr.create_kv_cache(input_tokens=prompt if with_input else None)
+        except KeyboardInterrupt:
+            got = None
+        finally:
+            sys.settrace(None)
+        if not fired:
+            got.close()
+            break  # past the last line: every line was interrupted once
+        lines.update(fired)
+        open_caches = list(mgr._open_caches)
+        assert open_caches == ([got] if got is not None else []), f"interrupted at line {fired[0]}: unreachable open cache"
+        if got is not None:
+            got.close()
+        introspect.check_sanity(mgr)
+    assert len(lines) >= 5
+    pages = introspect.tables(mgr)["pages"]
+    assert not ((pages["locks"] > 0) | (pages["holders"] > 0)).any()
+    mgr.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# what the harness found: victim lists grown in part
+# ---------------------------------------------------------------------------
+
+
+def test_victim_lists_grown_in_part_grow_again():
+    """The eviction pass widens its two victim arrays one after the other; an
+    interrupt in between must not leave them at different widths for good
+    (every later eviction then failed with NumPy's broadcast error)."""
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=8, page_bytes=8 * T)
+    engine = Engine(mgr)
+    for b in range(6):  # six cached blocks, each one eviction candidate
+        tokens = [100 * b + i for i in range(1, T + 1)]
+        kv = mgr.create_kv_cache()
+        assert kv.resume() and kv.resize(T, T)
+        engine.run(kv, tokens, 0, T)
+        kv.commit(tokens)
+        kv.close()
+
+    def between_the_two(frame, event, arg):
+        if frame.f_code.co_name != "_write":
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_locals.get("name") == "victim_ticks":
+                raise KeyboardInterrupt("injected between the two growths")
+            return local
+
+        return local
+
+    kv = mgr.create_kv_cache()
+    assert kv.resume()
+    sys.settrace(between_the_two)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kv.resize(8 * T)
+    finally:
+        sys.settrace(None)
+    assert kv.resize(8 * T)  # the lists are made again, at one width
+    assert kv.capacity == 8 * T
+    kv.close()
+    introspect.check_sanity(mgr)
+    mgr.shutdown()
+
+
+# ---------------------------------------------------------------------------
 # what the harness found: an event record applied in part
 # ---------------------------------------------------------------------------
 
