@@ -33,7 +33,6 @@ import sys
 import threading
 import traceback
 
-import numpy as np
 import pytest
 
 import gpukv
