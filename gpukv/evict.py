@@ -101,10 +101,13 @@ class Evictor:
         order = xp.argsort(keys)
         best = candidates[order]
         n = int(best.size)
-        if t.victims.shape[1] < n:  # grow, keeping the lists already made for this launch
-            width = max(n, 2 * t.victims.shape[1])
-            for name in ("victims", "victim_ticks"):
-                old = getattr(t, name)
+        # Grow, keeping the lists already made for this launch. Each array is
+        # grown on its own width: an exception between the two growths leaves
+        # them at different widths, and the next pass evens them out.
+        width = max(n, 2 * min(t.victims.shape[1], t.victim_ticks.shape[1]))
+        for name in ("victims", "victim_ticks"):
+            old = getattr(t, name)
+            if old.shape[1] < n:
                 grown = xp.zeros((old.shape[0], width), dtype=np.int64)
                 grown[:, : old.shape[1]] = old
                 setattr(t, name, grown)

@@ -150,22 +150,23 @@ class KVCacheManager:
             m = self._matcher.match([query], scope).to_host()
         kv = KVCache(self._cache_context, scope, priority_callback)
         self._caches.add(kv)
-        self._open_caches.add(kv)
-        if m is None:
-            return kv
-        n = int(m.num_tokens[0])
+        n = 0 if m is None else int(m.num_tokens[0])
+        # From here to the return, an exception (an interrupt included) means
+        # the caller never gets this cache: it must not stay open, holding its
+        # reused pages and keeping shutdown() refused.
         try:
+            self._open_caches.add(kv)
             if n:
                 kv._setup_reuse(tokens, n, m.blocks(0))
+            if m is not None:
+                self._stats.record(len(tokens), n, self.tokens_per_block, self.ssm_life_cycle_id is not None)
+            return kv
         except BaseException:
-            # The caller never gets this cache: release what it may hold.
             try:
                 kv._close()
             except BaseException:
                 pass  # the first exception is the one to report
             raise
-        self._stats.record(len(tokens), n, self.tokens_per_block, self.ssm_life_cycle_id is not None)
-        return kv
 
     def _digest_references(self):
         """Token arrays that may hold interned digest ids: the arena's, and the

@@ -18,6 +18,8 @@ invariant 15, scenarios P3, D6, D8).
 - ``Engine.verify_reuse(kv, tokens_all)`` checks every committed position the cache
   must be able to attend to (outside the stale range at the committed length and at
   the current history) and its SSM state.
+- ``Engine.verify_written(kv, tokens_all, n)`` checks every position below ``n``
+  that the cache still attends to, committed or not.
 - ``Engine.verify_tree()`` checks the data of every page linked in the tree against
   its block's token path, up to the page's coverage.
 
@@ -253,6 +255,46 @@ class Engine:
                 want = rec[1] if rec is not None and rec[0] is kv else self.state_value(tokens_all, N)
                 got = int(self.words(self.ssm)[s, 0])
                 assert got == want, f"SSM state in page {s} is wrong: got {got}, want {want} (committed length {N})"
+
+    def verify_written(self, kv, tokens_all, n: int) -> None:
+        """Every position below ``n`` that the engine wrote for this cache
+        (``run``) and that the cache still attends to (not stale at its
+        current history) holds the right value: the cache's own pages, private
+        or committed, kept their data through suspends, resumes, migrations
+        and resizes."""
+        T = self.T
+        n = min(int(n), int(kv.capacity))
+        if n <= 0 or kv.status.name != "ACTIVE":
+            return
+        tokens_all = list(tokens_all)
+        h = int(kv.history_length)
+        for lc in self.attention:
+            s, e = stale_range(self.specs[lc], h, T)
+            idx = np.asarray(kv.page_indices(lc)).astype(np.int64)
+            pos = np.arange(n, dtype=np.int64)
+            blk = pos // T
+            pos = pos[(blk < s) | (blk >= e)]
+            if not pos.size:
+                continue
+            page = idx[pos // T]
+            missing = np.nonzero(page < 0)[0]
+            assert not missing.size, (
+                f"written position {int(pos[missing[0]])} (block {int(pos[missing[0]]) // T}, life cycle {lc}) "
+                f"has no page at history {h}"
+            )
+            words = self.words(lc)
+            xp = _xp(words)
+            got = _host(words[xp.asarray(page), xp.asarray(pos % T)])
+            want = self.values(lc, tokens_all, pos)
+            bad = np.nonzero(got != want)[0]
+            if bad.size:
+                i = bad[0]
+                p = int(pos[i])
+                raise AssertionError(
+                    f"written KV at position {p} (block {p // T}, life cycle {lc}, page {page[i]}) is wrong: "
+                    f"got {got[i]}, want {want[i]}{' (never written)' if got[i] == 0 else ''}; "
+                    f"{bad.size} of {pos.size} positions wrong"
+                )
 
     def verify_tree(self) -> None:
         """Every page linked in the tree, on the GPU or on the host tier, holds
