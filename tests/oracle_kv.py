@@ -126,11 +126,24 @@ def token_value(lc: int, pos: int, prefix) -> int:
 # ---------------------------------------------------------------------------
 
 
+def evictable(committed: bool, holders: int, locked: bool, level: int = 0, last_level: int = 0) -> bool:
+    """§2.11: (droppable and committed) or (held and not at the last level,
+    committed or not); a locked page never is. With the single cache level
+    modelled here (``level == last_level == 0``) only droppable committed pages
+    qualify; a held page, committed or not, would migrate to a colder level."""
+    if locked:
+        return False
+    if holders == 0:
+        return committed
+    return level < last_level
+
+
 class UncommittedPage:
     """§1.4 UncommittedPage: private to one sequence, never in the tree. It dies at
     once when the sequence drops it (an uncommitted droppable page is never
-    scheduled, §2.11). ``committed_as`` is set when it became a CommittedPage (the
-    same pool slot and data, now an ``O.Page``)."""
+    scheduled, §2.11; a held one is evictable only above the last level, which
+    this single-level model has not). ``committed_as`` is set when it became a
+    CommittedPage (the same pool slot and data, now an ``O.Page``)."""
 
     def __init__(self, page_id: int, lc: int, slot: int, owner: "KVSeq"):
         self.id = page_id
@@ -342,7 +355,7 @@ class KVOracle:
 
     def _schedule(self, page: O.Page) -> None:
         """§2.8: schedule a droppable committed page (no-op if already scheduled)."""
-        assert page.alive and page.holders == 0
+        assert page.alive and evictable(True, page.holders, False)
         self._lru[page.lc].setdefault(page.id, page)  # scheduled either way; ``evict`` only gates eviction
 
     def _unschedule(self, page: O.Page) -> None:

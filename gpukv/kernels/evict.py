@@ -34,6 +34,7 @@ from ..core.layout import (
     PAGE_BLOCK,
     PAGE_COMMITTED,
     PAGE_COVERAGE,
+    PAGE_FREE,
     PAGE_HOLDERS,
     PAGE_LEVEL,
     PAGE_LIFE_CYCLE,
@@ -62,11 +63,14 @@ from .pages import (
 
 @helper
 def evictable(S, p):
-    """(DROPPABLE and committed) or (HELD and not at the last level); a
-    LOCKED page never is."""
-    if S.pages[p, PAGE_STATE] != PAGE_COMMITTED or S.pages[p, PAGE_LOCKS] != 0:
+    """(DROPPABLE and committed) or (HELD and not at the last level, committed
+    or not: a suspended sequence's uncommitted pages migrate too); a LOCKED
+    page never is, nor a free row."""
+    if S.pages[p, PAGE_STATE] == PAGE_FREE or S.pages[p, PAGE_LOCKS] != 0:
         return False
-    return S.pages[p, PAGE_HOLDERS] == 0 or S.pages[p, PAGE_LEVEL] < last_level(S, S.pages[p, PAGE_LIFE_CYCLE])
+    if S.pages[p, PAGE_HOLDERS] == 0:
+        return S.pages[p, PAGE_STATE] == PAGE_COMMITTED  # an unheld uncommitted page is already dead
+    return S.pages[p, PAGE_LEVEL] < last_level(S, S.pages[p, PAGE_LIFE_CYCLE])
 
 
 @helper
@@ -200,7 +204,7 @@ def make_room(S, lc, level, need):
             S.counters[CNT_EVICTED] += 1
         if level < last_level(S, lc):
             if room_on_host(S, lc):
-                if S.pages[v, PAGE_STATE] == PAGE_COMMITTED:  # dropping host pages may have killed it
+                if S.pages[v, PAGE_STATE] != PAGE_FREE:  # dropping host pages may have killed it
                     S.counters[CNT_MIGRATED] += 1
                     move_page(S, v, 1)
                 continue

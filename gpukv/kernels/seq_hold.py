@@ -53,8 +53,8 @@ def release(S, Q, p, kind):
     if kind == LOCK:
         S.pages[p, PAGE_LOCKS] -= 1
     if S.pages[p, PAGE_HOLDERS] > 0:
-        if kind == LOCK and S.pages[p, PAGE_LOCKS] == 0 and S.pages[p, PAGE_STATE] == PAGE_COMMITTED:
-            schedule(S, p)  # held, unlocked: evictable when a colder level exists
+        if kind == LOCK and S.pages[p, PAGE_LOCKS] == 0:
+            schedule(S, p)  # held, unlocked (committed or not): evictable when a colder level exists
         return
     if S.pages[p, PAGE_STATE] == PAGE_UNCOMMITTED:
         free_page(S, p)
@@ -156,11 +156,11 @@ def set_all_kinds(S, Q, kind):
                 else:
                     S.pages[p, PAGE_LOCKS] -= 1
                 Q.kinds[o, lc] = kind
-                if kind == HOLD and S.pages[p, PAGE_STATE] == PAGE_COMMITTED:
-                    schedule(S, p)
+                if kind == HOLD:
+                    schedule(S, p)  # committed or not: a held page may migrate
     p = Q.scalars[Q_SSM_PAGE]
     if p != NULL and Q.scalars[Q_SSM_KIND] != kind:
         S.pages[p, PAGE_LOCKS] += 1 if kind == LOCK else -1
         Q.scalars[Q_SSM_KIND] = kind
-        if kind == HOLD and S.pages[p, PAGE_STATE] == PAGE_COMMITTED:
+        if kind == HOLD:
             schedule(S, p)

@@ -26,7 +26,7 @@ from ..core.layout import (
     SCRATCH,
 )
 from .link import helper
-from .evict import can_have
+from .evict import can_have, schedule
 from .lifecycle import is_stale, stale_end, stale_start
 from .seq_hold import drop_entry, promised_page, release, set_entry, set_tree
 
@@ -76,7 +76,8 @@ def unlock_stale(S, Q, new_h, release_now):
             if keep:
                 if Q.kinds[o, lc] == LOCK:
                     S.pages[p, PAGE_LOCKS] -= 1
-                Q.kinds[o, lc] = HOLD
+                    Q.kinds[o, lc] = HOLD
+                    schedule(S, p)  # held, unlocked: it may migrate to a colder level
             elif release_now:
                 drop_entry(S, Q, o, lc)
             else:
@@ -110,16 +111,40 @@ def drop_block(S, Q, o):
 
 
 @helper(inline=False)
+def release_scratch_of(S, Q, lc):
+    for k in range(Q.scratch_count[lc]):
+        release(S, Q, Q.scratch[lc, k], LOCK)
+    Q.scratch_count[lc] = 0
+    for o in range(Q.scalars[Q_NUM_BLOCKS]):  # former scratch blocks are just page-less now
+        if Q.kinds[o, lc] == SCRATCH:
+            Q.kinds[o, lc] = 0
+
+
+@helper(inline=False)
 def release_scratch(S, Q):
     """Scratch slots live for one step: suspend and close give them back."""
-    L = S.lc_kind.shape[0]
-    for lc in range(L):
-        for k in range(Q.scratch_count[lc]):
-            release(S, Q, Q.scratch[lc, k], LOCK)
-        Q.scratch_count[lc] = 0
-        for o in range(Q.scalars[Q_NUM_BLOCKS]):  # former scratch blocks are just page-less now
-            if Q.kinds[o, lc] == SCRATCH:
-                Q.kinds[o, lc] = 0
+    for lc in range(S.lc_kind.shape[0]):
+        release_scratch_of(S, Q, lc)
+
+
+@helper(inline=False)
+def release_passed_scratch(S, Q):
+    """The step that computes the scratch blocks is over once the history
+    covers all of them: their slots go back then (a commit raising the
+    history, or a resize that does), not only at suspend or close."""
+    T = S.tokens.shape[1]
+    h = Q.scalars[Q_HISTORY]
+    cap = Q.scalars[Q_CAPACITY]
+    for lc in range(S.lc_kind.shape[0]):
+        if Q.scratch_count[lc] == 0:
+            continue
+        passed = True
+        for o in range(Q.scalars[Q_NUM_BLOCKS]):
+            if Q.kinds[o, lc] == SCRATCH and min((o + 1) * T, cap) > h:
+                passed = False
+                break
+        if passed:
+            release_scratch_of(S, Q, lc)
 
 
 @helper(inline=False)
@@ -180,4 +205,5 @@ def resize(S, Q, cap, h):
     Q.scalars[Q_NUM_BLOCKS] = new_nb
     Q.scalars[Q_CAPACITY] = cap
     Q.scalars[Q_HISTORY] = h
+    release_passed_scratch(S, Q)
     Q.scalars[Q_RESULT] = 1
