@@ -235,19 +235,7 @@ class Engine:
             for o in needed:
                 assert o < len(idx) and idx[o] >= 0, f"reused block {o} has no page for life cycle {lc}"
             pos = np.concatenate([np.arange(o * T, min(N, o * T + T), dtype=np.int64) for o in needed])
-            words = self.words(lc)
-            xp = _xp(words)
-            got = _host(words[xp.asarray(idx[pos // T]), xp.asarray(pos % T)])
-            want = self.values(lc, tokens_all, pos)
-            bad = np.nonzero(got != want)[0]
-            if bad.size:
-                i = bad[0]
-                p = int(pos[i])
-                raise AssertionError(
-                    f"reused KV at position {p} (block {p // T}, life cycle {lc}, page {idx[p // T]}) is wrong: "
-                    f"got {got[i]}, want {want[i]}{' (never written)' if got[i] == 0 else ''}; "
-                    f"{bad.size} of {pos.size} positions wrong"
-                )
+            self._check_positions("reused", lc, idx[pos // T], pos, tokens_all)
         if self.ssm is not None:
             s = int(kv.ssm_page_index())
             if s >= 0:
@@ -282,19 +270,25 @@ class Engine:
                 f"written position {int(pos[missing[0]])} (block {int(pos[missing[0]]) // T}, life cycle {lc}) "
                 f"has no page at history {h}"
             )
-            words = self.words(lc)
-            xp = _xp(words)
-            got = _host(words[xp.asarray(page), xp.asarray(pos % T)])
-            want = self.values(lc, tokens_all, pos)
-            bad = np.nonzero(got != want)[0]
-            if bad.size:
-                i = bad[0]
-                p = int(pos[i])
-                raise AssertionError(
-                    f"written KV at position {p} (block {p // T}, life cycle {lc}, page {page[i]}) is wrong: "
-                    f"got {got[i]}, want {want[i]}{' (never written)' if got[i] == 0 else ''}; "
-                    f"{bad.size} of {pos.size} positions wrong"
-                )
+            self._check_positions("written", lc, page, pos, tokens_all)
+
+    def _check_positions(self, what: str, lc: int, pages: np.ndarray, pos: np.ndarray, tokens_all) -> None:
+        """The words at token positions ``pos`` of ``pages`` (one page per
+        position) hold what the engine writes there for ``tokens_all``."""
+        T = self.T
+        words = self.words(lc)
+        xp = _xp(words)
+        got = _host(words[xp.asarray(pages), xp.asarray(pos % T)])
+        want = self.values(lc, tokens_all, pos)
+        bad = np.nonzero(got != want)[0]
+        if bad.size:
+            i = bad[0]
+            p = int(pos[i])
+            raise AssertionError(
+                f"{what} KV at position {p} (block {p // T}, life cycle {lc}, page {pages[i]}) is wrong: "
+                f"got {got[i]}, want {want[i]}{' (never written)' if got[i] == 0 else ''}; "
+                f"{bad.size} of {pos.size} positions wrong"
+            )
 
     def verify_tree(self) -> None:
         """Every page linked in the tree, on the GPU or on the host tier, holds
