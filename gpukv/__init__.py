@@ -28,7 +28,7 @@ from .events import (
     KVCacheUpdatedData,
 )
 from .core.hashing import gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
-from .index_memory import IndexMemory, index_memory
+from .memory import IndexMemory, index_memory
 from .manager import KVCacheManager
 from .page_memory import PageCopies
 from .matching import BatchMatch

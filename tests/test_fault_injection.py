@@ -368,7 +368,11 @@ class FaultyWorkload:
             else:
                 self.clear()
         if self.engine.owns_memory and self.faults.rate > 0:
-            self.faults.call(self.engine.sync)  # the engine takes the step's copies, and that call may fail too
+            # The engine takes the step's copies, and that call may fail too
+            # (then they come with the next take); carrying them out is its own.
+            _, copies, _ = self.faults.call(self.mgr.take_page_copies)
+            if copies is not None:
+                self.engine.apply(copies)
         self.verify()
 
     # -- checks ------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def test_formula_follows_growth():
 def test_formula_grows_with_the_layout_widths(monkeypatch):
     """The per-row sizes come from the layouts, not from numbers of their own:
     a page record one column wider costs one int64 per page more."""
-    from gpukv import index_memory as module
+    from gpukv import memory as module
     from gpukv.core.layout import Layout, PAGES
 
     config = gpukv.CacheConfig(**CONFIGS["hybrid"])
