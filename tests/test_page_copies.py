@@ -114,11 +114,16 @@ def _record_launch_copies(monkeypatch, mgr) -> list:
     tables = mgr._tables
 
     def call_kernel(kernel, *args):
-        original(kernel, *args)
-        # Straight from the arrays: the harness may have hooked the tables' readers.
-        n = int(tables.backend.to_host(tables.counters)[CNT_NUM_COPIES])
-        if n:
-            recorded.append(np.array(tables.backend.to_host(tables.copies[:n])))
+        try:
+            original(kernel, *args)
+        finally:
+            # Also when an interrupt lands in the launcher's own call_kernel
+            # after the kernel ran (before it, nothing is recorded yet: the
+            # launch starts with an empty list). Read straight from the
+            # arrays: the harness may have hooked the tables' readers.
+            n = int(tables.backend.to_host(tables.counters)[CNT_NUM_COPIES])
+            if n:
+                recorded.append(np.array(tables.backend.to_host(tables.copies[:n])))
 
     monkeypatch.setattr(launcher_module, "call_kernel", call_kernel)
     return recorded
@@ -249,5 +254,47 @@ def test_real_page_memory_returns_no_copies():
     assert mgr.get_and_reset_iteration_stats() == {0: {"iter_intra_device_copy_blocks": 1, "iter_intra_device_copy_bytes": 32}}
     assert len(mgr.take_page_copies()) == 0
     engine.verify_reuse(kv, tokens + [9])  # gpukv made the copy itself
+    kv.close()
+    introspect.check_sanity(mgr)
+
+
+def test_an_interrupt_right_after_the_kernel_loses_no_copy():
+    """A KeyboardInterrupt in the launcher right after the kernel ran (its
+    copies are recorded, nothing of the aftermath done yet): the call
+    raises, and its copy is kept once, for the next take."""
+    import inspect
+    import sys
+
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=16)
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(6, 6)
+    kv.commit(list(range(1, 7)))
+    kv.close()
+    assert len(mgr.take_page_copies()) == 0
+    kv = mgr.create_kv_cache(input_tokens=list(range(1, 7)) + [9])
+    lines, first = inspect.getsourcelines(launcher_module.call_kernel)
+    after_kernel = first + next(i for i, line in enumerate(lines) if line.strip() == "return")
+    fired = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == after_kernel and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt("right after the kernel")
+        return local
+
+    def trace(frame, event, arg):
+        return local if frame.f_code is launcher_module.call_kernel.__code__ else None
+
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kv.resume()
+    finally:
+        sys.settrace(None)
+    assert fired
+    assert kv.status is gpukv.KVCacheStatus.ACTIVE  # the kernel ran; the guard finished its aftermath
+    copies = mgr.take_page_copies()
+    assert len(copies) == 1 and copies.dst_index.tolist() == [int(kv.page_indices(0)[1])]
+    assert len(mgr.take_page_copies()) == 0
     kv.close()
     introspect.check_sanity(mgr)
