@@ -28,9 +28,12 @@ from .events import (
     KVCacheUpdatedData,
 )
 from .core.hashing import gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
+from .memory import IndexMemory, index_memory
 from .manager import KVCacheManager
+from .page_memory import PageCopies
 from .matching import BatchMatch
 from .core.scope import ReuseScope
+from .tables import IndexFullError
 from .tokens import TokenError
 from .tree import BlockRef
 
@@ -46,6 +49,8 @@ __all__ = [
     "BusyError",
     "CacheConfig",
     "ConfigError",
+    "IndexFullError",
+    "IndexMemory",
     "KVCache",
     "KVCacheCreatedData",
     "KVCacheEvent",
@@ -56,11 +61,13 @@ __all__ = [
     "KVCacheUpdatedData",
     "KVCacheStatus",
     "LogicError",
+    "PageCopies",
     "ReuseScope",
     "Ssm",
     "SwaScratchReuse",
     "TokenError",
     "TokenSequence",
     "gen_multimodal_cache_key_tokens",
+    "index_memory",
     "sequence_to_blockchain_keys",
 ]

@@ -58,7 +58,7 @@ from .core.layout import (
 )
 from .launcher import BusyError, Launcher, LogicError, serialized
 from .matching import Matcher
-from .tables import Tables
+from .tables import Tables, scratch_width as _scratch_width
 from .tokens import ValidTokens, token_array
 from .tree import BlockTree
 
@@ -465,12 +465,6 @@ class PlannedDrop:
             raise RuntimeError("This planned drop has already been dropped")
         self.dropped = True
         self._tree.drop_planned(self._pages)
-
-
-def _scratch_width(config) -> int:
-    """Scratch slots a life cycle may hold at once: one window of blocks."""
-    T = config.tokens_per_block
-    return max([1] + [-(-(lc.window - 1) // T) for lc in config.life_cycles if has_window(lc.kind)])
 
 
 def _int(name, v) -> int:

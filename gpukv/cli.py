@@ -95,9 +95,10 @@ def cmd_info(args) -> int:
         print(f"{name}: {v}")
     print("default config:")
     for field in ("tokens_per_block", "layers", "pages_per_life_cycle", "page_bytes", "enable_partial_reuse",
-                  "commit_min_snapshot", "reuse_match_backoff", "max_kv_event_entries"):
+                  "commit_min_snapshot", "reuse_match_backoff", "max_kv_event_entries", "max_blocks"):
         print(f"  {field} = {getattr(config, field)!r}")
     print(f"life cycles: {mgr.life_cycles}")
+    print(f"index memory: {gpukv.index_memory(config).total:,} bytes at start (docs/integration.md)")
     return 0
 
 

@@ -101,16 +101,21 @@ class CallGuard:
             first = list(calls)[0]
             if first is not call:
                 raise _refusal(call, first)
-            if launcher.pending:  # an earlier call's aftermath was cut short
-                launcher.settle()
-            return method(*args, **kwargs)
+            # The manager's stream, if it has one, for everything the call
+            # queues on the device (a CuPy context: no gpukv code runs on the
+            # way out, after the method's last line).
+            with launcher.stream_scope:
+                if launcher.pending:  # an earlier call's aftermath was cut short
+                    launcher.settle()
+                return method(*args, **kwargs)
         except BaseException:
             if launcher.pending and calls and list(calls)[0] is call:
                 # Finish the aftermath of a launch that was cut short, so the
                 # caller that catches this finds the page data and the events
                 # complete; if that fails too, the next call finishes it.
                 try:
-                    launcher.settle()
+                    with launcher.stream_scope:
+                        launcher.settle()
                 except BaseException:
                     pass  # the exception on its way out is the one to report
             raise
@@ -207,11 +212,14 @@ class Launcher:
     ``evictor``: lists victims before a launch that may need room (None: the
     kernels scan for victims themselves). ``copier``: carries out recorded
     page data copies (``PageMemory``). ``events``: the event manager fed from
-    the change log (None when events are off). ``log_sink``: a list that
-    collects every drained log record (tests)."""
+    the change log (None when events are off). ``stream_scope``: the context
+    every public call runs in (``backend.stream_scope``: the manager's CUDA
+    stream; nothing by default). ``log_sink``: a list that collects every
+    drained log record (tests)."""
 
-    def __init__(self, tables, evictor=None, copier=None, events=None):
+    def __init__(self, tables, evictor=None, copier=None, events=None, stream_scope=None):
         self.tables = tables
+        self.stream_scope = contextlib.nullcontext() if stream_scope is None else stream_scope
         self.backend = tables.backend
         self.evictor = evictor
         self.copier = copier

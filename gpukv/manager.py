@@ -21,8 +21,9 @@ from .core.layout import CNT_DROPPED, CNT_EVICTED, CNT_MIGRATED
 from .launcher import Launcher, first_load, serialized
 from .matching import BatchMatch, Matcher
 from .core.scope import as_scope
-from .page_memory import PageMemory
+from .page_memory import PageCopies, PageMemory
 from .stats import ReuseStats
+from .streams import stream_scope
 from .tables import Tables
 from .tokens import ValidTokens, token_array
 from .tree import BlockTree
@@ -36,19 +37,29 @@ class KVCacheManager:
     Each part gets what it uses when it is built; nothing is patched in later.
     Public calls run one at a time (``launcher.CallGuard``)."""
 
-    def __init__(self, config: CacheConfig):
+    def __init__(self, config: CacheConfig, stream=None):
+        """``stream``: the CUDA stream every call of this manager queues its
+        device work on (kernels, copies, reads), given as a handle or a CuPy,
+        PyTorch or Numba stream; None: whatever stream CuPy uses at the call
+        (by default the legacy default stream). See docs/integration.md."""
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a gpukv.CacheConfig, got {type(config).__name__}")
         if "numba" in sys.modules:
-            self._build(config)
+            self._build(config, stream)
             return
         with first_load():  # the first manager of the process imports Numba
-            self._build(config)
+            self._build(config, stream)
 
-    def _build(self, config: CacheConfig):
+    def _build(self, config: CacheConfig, stream):
         self.config = config
         self._backend = get_backend(config.backend)
         quiet_simulator()
+        self._stream = stream
+        scope = stream_scope(self._backend, stream)
+        with scope:  # the tables are filled on the manager's stream too
+            self._build_parts(config, scope)
+
+    def _build_parts(self, config: CacheConfig, scope):
         self._tables = Tables(config, self._backend)
         # Real page memory: one [pages, page_bytes] byte array per life cycle
         # and cache level (GPU pools on the device, host pools in host memory).
@@ -64,7 +75,9 @@ class KVCacheManager:
                 scope_of_root=lambda digest: self._tree.scope_of_root_digest(digest),
             )
             self._events.created([sum(config.pages_per_life_cycle_list()), sum(config.pages_per_life_cycle_list(host=True))])
-        self._launcher = Launcher(self._tables, evictor=Evictor(self._tables), copier=self._pages, events=self._events)
+        self._launcher = Launcher(
+            self._tables, evictor=Evictor(self._tables), copier=self._pages, events=self._events, stream_scope=scope,
+        )
         self._tree = BlockTree(self._tables, self._launcher)
         self._arena = TokenArena(self._backend, config.tokens_per_block, self._tables.intern_digest)
         self._matcher = Matcher(self._tables, self._tree, self._arena, config, self._launcher)
@@ -95,6 +108,11 @@ class KVCacheManager:
         return self.config.ssm_life_cycle_id
 
     @property
+    def stream(self):
+        """The stream given at construction (None: CuPy's current stream at each call)."""
+        return self._stream
+
+    @property
     def tokens_per_block(self) -> int:
         return self.config.tokens_per_block
 
@@ -108,7 +126,12 @@ class KVCacheManager:
         length B+1 (device arrays accepted). ``scopes``: None, one ``ReuseScope``
         for all, or one per request. Holds nothing: the result is volatile.
         """
-        return self._matcher.match(requests, scopes)
+        m = self._matcher.match(requests, scopes)
+        if self._stream is not None:
+            # The last kernels may still run on the manager's stream; the
+            # caller may read the result on another one.
+            self._backend.synchronize()
+        return m
 
     @serialized("mgr.probe_reuse()")
     def probe_reuse(self, tokens, scope=None) -> int:
@@ -210,6 +233,21 @@ class KVCacheManager:
         if level not in (0, 1) or isinstance(level, bool) or not isinstance(level, (int, np.integer)):
             raise ValueError(f"level must be 0 (GPU) or 1 (host), got {level!r}")
         return self._pages.pool(life_cycle_id, level)
+
+    @serialized("mgr.take_page_copies()")
+    def take_page_copies(self) -> PageCopies:
+        """The page data copies the engine must carry out, decided since the
+        last call, in order; each is then forgotten (docs/integration.md).
+
+        With ``page_bytes == 0`` the engine owns the KV memory: every private
+        tail copy (first ``resume``), snapshot copy (``commit``) and migration
+        to or from the host tier (eviction, ``resume``) is kept here until
+        taken. Take them every step, after the step's calls and before the
+        model reads or writes any page; nothing is dropped, so an engine that
+        never takes them grows this list without bound. With ``page_bytes >
+        0`` gpukv has already made every copy in its own page memory when the
+        call that decided it returns, and this returns no copies."""
+        return self._pages.take_copies()
 
     @serialized("mgr.get_and_reset_eviction_stats()")
     def get_and_reset_eviction_stats(self) -> dict:

@@ -24,6 +24,7 @@ import numpy as np
 
 from .core.backend import Backend
 from .core.config import CacheConfig
+from .core.kinds import has_window
 from .kernels.sha256 import SHA256_WORK_WORDS
 from .kernels.keys import sibling_hash_np
 from .kernels.tree import NUM_LEVELS
@@ -95,7 +96,60 @@ DeviceTables = namedtuple(
 _DEVICE_FIELDS = frozenset(DeviceTables._fields)
 INITIAL_BLOCK_ROWS = 256
 LOG_MIN_ROWS = 256
+LOG_TOKENS_MIN_ROWS = 64
 UNKNOWN_DIGEST = -(2**31)  # stands for any digest no block holds
+
+
+class IndexFullError(RuntimeError):
+    """A call needs more room than ``CacheConfig.max_blocks`` preallocated
+    (block rows, or the change log of one call over that many blocks). The
+    call is refused before it changes anything."""
+
+
+def log_rows_for(live: int, blocks: int, log_tokens_rows: int, num_life_cycles: int) -> int:
+    """Change-log rows one launch may need (``Tables.ensure_log``): ``live``
+    block rows in use, an operation on up to ``blocks`` blocks, and
+    ``log_tokens_rows`` announced blocks."""
+    L = num_life_cycles
+    return live + 3 * (blocks + 2) + 4 * L * (blocks + 2) + (L + 1) * log_tokens_rows + LOG_MIN_ROWS
+
+
+def log_tokens_rows_for(blocks: int, num_life_cycles: int) -> int:
+    """Announced-token rows a commit of up to ``blocks`` blocks may need:
+    new blocks, a re-attached chain, and a rebase announcing each life cycle
+    (``KVCache.commit``; close and stop need fewer)."""
+    return (num_life_cycles + 2) * blocks + 2
+
+
+def scratch_width(config: CacheConfig) -> int:
+    """SWA scratch slots a cache may hold per life cycle at once: one window of blocks."""
+    T = config.tokens_per_block
+    return max([1] + [-(-(lc.window - 1) // T) for lc in config.life_cycles if has_window(lc.kind)])
+
+
+def preallocated_sizes(config: CacheConfig) -> dict:
+    """The row counts the tables start with: with ``max_blocks`` every table
+    at the size it may ever need, so none grows (``index_memory`` reports
+    the bytes). ``blocks``: block rows; ``log`` and ``log_tokens``: the
+    change log sized for a launch over ``blocks`` blocks with every row in use
+    (``launch_blocks`` below); ``victims``: the width of
+    the eviction victim lists (the largest pool)."""
+    L = len(config.life_cycles)
+    mb = config.max_blocks
+    if mb is None:
+        return {"blocks": INITIAL_BLOCK_ROWS, "log": LOG_MIN_ROWS, "log_tokens": LOG_TOKENS_MIN_ROWS, "victims": 1}
+    tokens_rows = max(LOG_TOKENS_MIN_ROWS, log_tokens_rows_for(mb, L))
+    pools = [g + h for g, h in zip(config.pages_per_life_cycle_list(), config.pages_per_life_cycle_list(host=True))]
+    # The widest launch: a cache's call over its blocks, the doubled arrays
+    # they sit in, the pages it may allocate and its scratch slots
+    # (``KVCache._launch``), or a tree operation over one pool's pages.
+    launch_blocks = 3 * mb + max(pools) + 2 * scratch_width(config) + 16
+    return {
+        "blocks": mb,
+        "log": log_rows_for(mb, launch_blocks, tokens_rows, L),
+        "log_tokens": tokens_rows,
+        "victims": max(pools),
+    }
 
 
 class Tables:
@@ -110,14 +164,16 @@ class Tables:
         L = len(config.life_cycles)
         self.num_life_cycles = L
         self.tokens_per_block = T
-        rows = INITIAL_BLOCK_ROWS
+        self.max_blocks = config.max_blocks  # None: grow by doubling
+        sizes0 = preallocated_sizes(config)
+        rows = sizes0["blocks"]
         self.blocks = xp.full((rows, BLOCKS.width), NULL, dtype=np.int64)
         self.blocks[:, BLK_FLAGS] = 0
         self.tokens = xp.zeros((rows, T), dtype=np.int32)
         self.slots = xp.zeros((rows * L, SLOTS.width), dtype=np.int32)
         self.slots[:, 0] = NULL
-        self.buckets = xp.full(_pow2_at_least(2 * rows), NULL, dtype=np.int64)
-        self.sibling_buckets = xp.full(_pow2_at_least(2 * rows), NULL, dtype=np.int64)
+        self.buckets = xp.full(pow2_at_least(2 * rows), NULL, dtype=np.int64)
+        self.sibling_buckets = xp.full(pow2_at_least(2 * rows), NULL, dtype=np.int64)
         # Pop order: row 0 first, so a young table is easy to read.
         self.block_free = xp.arange(rows - 1, -1, -1, dtype=np.int64)
         self.counters = xp.zeros(COUNTERS.width, dtype=np.int64)
@@ -144,7 +200,7 @@ class Tables:
         self.num_pages = total
         # Not zeroed: the kernels clear each record as they append it. Sized
         # per launch (``ensure_log``), never for the whole pool.
-        self.log = xp.empty((LOG_MIN_ROWS, LOG.width), dtype=np.int64)
+        self.log = xp.empty((sizes0["log"], LOG.width), dtype=np.int64)
         self.pages = backend.to_device(pages)
         self.page_free = backend.to_device(page_free)
         self.pool_start = backend.to_device(starts)
@@ -158,14 +214,14 @@ class Tables:
         self.copies = xp.zeros((3 * total + 16, COPY_WIDTH), dtype=np.int64)
         self.late = xp.zeros((2 * total + 16, 2), dtype=np.int64)
         pools = max(1, L * NUM_LEVELS)
-        self.victims = xp.zeros((pools, 1), dtype=np.int64)
-        self.victim_ticks = xp.zeros((pools, 1), dtype=np.int64)
+        self.victims = xp.zeros((pools, sizes0["victims"]), dtype=np.int64)
+        self.victim_ticks = xp.zeros((pools, sizes0["victims"]), dtype=np.int64)
         self.victim_count = xp.zeros(pools, dtype=np.int64)
         self.victim_next = xp.zeros(pools, dtype=np.int64)
         self.victim_total = xp.full(pools, -1, dtype=np.int64)
         self.evict_counts = xp.zeros((max(1, L), 3), dtype=np.int64)
         self.no_host_room = xp.zeros(max(1, L), dtype=np.int64)
-        self.log_tokens = xp.zeros((64, max(1, T)), dtype=np.int32)
+        self.log_tokens = xp.zeros((sizes0["log_tokens"], max(1, T)), dtype=np.int32)
 
         kind, window, sinks = config.life_cycle_arrays()
         self.lc_kind = backend.to_device(kind)
@@ -215,6 +271,12 @@ class Tables:
         free = int(self.counters_host()[CNT_BLOCK_FREE_TOP])
         if free >= needed:
             return
+        if self.max_blocks is not None:
+            raise IndexFullError(
+                f"the index is full: this call needs {needed} free block rows, {free} of max_blocks={self.max_blocks} "
+                "are free (blocks leave the tree when eviction drops their pages; raise CacheConfig.max_blocks, "
+                "or leave it None to let the tables grow)"
+            )
         old = self.num_rows
         live = old - free
         new = old
@@ -240,7 +302,7 @@ class Tables:
         block_free[extra:extra + free] = self.block_free[:free]
         self.blocks, self.tokens, self.slots, self.block_free = blocks, tokens, slots, block_free
         self.counters[CNT_BLOCK_FREE_TOP] = free + extra
-        self._rebuild_index(_pow2_at_least(2 * new))
+        self._rebuild_index(pow2_at_least(2 * new))
 
     def _rebuild_index(self, num_buckets: int):
         """Re-chain every indexed row into new buckets: attached blocks and roots
@@ -340,6 +402,11 @@ class Tables:
         (keeping the rows of records not consumed yet)."""
         have = self.log_tokens.shape[0]
         if have < blocks:
+            if self.max_blocks is not None:
+                raise IndexFullError(
+                    f"this call announces up to {blocks} blocks, more than max_blocks={self.max_blocks} sized "
+                    f"the change log for ({have}); raise CacheConfig.max_blocks"
+                )
             grown = self.xp.zeros((max(blocks, 2 * have), self.log_tokens.shape[1]), dtype=np.int32)
             k = int(self.counters_host()[CNT_LOG_TOKENS_LEN])
             grown[:k] = self.log_tokens[:k]
@@ -363,8 +430,13 @@ class Tables:
         live = self.num_rows - int(counters[CNT_BLOCK_FREE_TOP])
         kept = int(counters[CNT_LOG_LEN])
         L = self.num_life_cycles
-        rows = kept + live + 3 * (blocks + 2) + 4 * L * (blocks + 2) + (L + 1) * self.log_tokens.shape[0] + LOG_MIN_ROWS
+        rows = kept + log_rows_for(live, blocks, self.log_tokens.shape[0], L)
         if self.log.shape[0] < rows:
+            if self.max_blocks is not None:
+                raise IndexFullError(
+                    f"this call spans up to {blocks} blocks and needs {rows} change-log rows, more than "
+                    f"max_blocks={self.max_blocks} sized the log for ({self.log.shape[0]}); raise CacheConfig.max_blocks"
+                )
             grown = self.xp.empty((rows + rows // 4, LOG.width), dtype=np.int64)
             grown[:kept] = self.log[:kept]
             self.log = grown
@@ -380,7 +452,7 @@ class Tables:
         return np.array(self.backend.to_host(self.copies[:n]))
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     p = 1
     while p < n:
         p *= 2

@@ -23,6 +23,13 @@ invariant 15, scenarios P3, D6, D8).
 - ``Engine.verify_tree()`` checks the data of every page linked in the tree against
   its block's token path, up to the page's coverage.
 
+With ``page_bytes = 0`` (index only) the engine owns the KV memory, as a serving
+engine does: one ``int64[pages, T]`` array per life cycle and cache level, sized
+from the configuration. Before it touches a page it takes the copies gpukv
+decided on (``take_page_copies``) and carries them out on its own arrays, in
+order (``sync``); ``applied`` keeps every copy it made, for tests that compare
+them with what gpukv's own page memory did.
+
 Only ``gpukv``'s public surface and ``gpukv.introspect`` are used, plus the record
 fields that ``introspect.tables`` exposes.
 """
@@ -119,8 +126,18 @@ class Engine:
     def __init__(self, mgr):
         self.mgr = mgr
         self.T = mgr.tokens_per_block
-        if mgr.config.page_bytes != 8 * self.T:
-            raise ValueError(f"the engine needs page_bytes = 8 * T = {8 * self.T}, got {mgr.config.page_bytes}")
+        config = mgr.config
+        self.owns_memory = config.page_bytes == 0
+        if not self.owns_memory and config.page_bytes != 8 * self.T:
+            raise ValueError(f"the engine needs page_bytes = 8 * T = {8 * self.T} or 0, got {config.page_bytes}")
+        # Index only: the engine's own pools, [level][life cycle] (None: no pages there).
+        self.own = None
+        if self.owns_memory:
+            self.own = [
+                [np.zeros((n, self.T), dtype=np.int64) if n else None for n in config.pages_per_life_cycle_list(host=host)]
+                for host in (False, True)
+            ]
+        self.applied: list = []  # int64[n, 5] tables of the copies carried out, in order
         self.specs = tuple(mgr.life_cycles)
         self.ssm = mgr.ssm_life_cycle_id
         self.attention = [lc for lc in range(len(self.specs)) if lc != self.ssm]
@@ -131,8 +148,37 @@ class Engine:
     # -- memory -----------------------------------------------------------------------
     def words(self, lc: int):
         """Life cycle ``lc``'s GPU page pool as ``int64[pages, T]`` (a view: writes land)."""
+        if self.owns_memory:
+            self.sync()
+            return self.own[0][lc]
         mem = self.mgr.page_memory(lc)
         return mem.view(np.int64)
+
+    def host_words(self, lc: int):
+        """Life cycle ``lc``'s host-tier pool as ``int64[pages, T]``, None without one."""
+        if self.owns_memory:
+            self.sync()
+            return self.own[1][lc]
+        mem = self.mgr.page_memory(lc, 1)
+        return None if mem is None else mem.view(np.int64)
+
+    def sync(self) -> None:
+        """Index only: carry out the copies gpukv decided on since the last
+        sync, in order, on the engine's own pools (what a serving engine does
+        once per step, before the model runs)."""
+        if self.owns_memory:
+            self.apply(self.mgr.take_page_copies())
+
+    def apply(self, copies) -> None:
+        """Carry out ``copies`` (a ``gpukv.PageCopies``) on the engine's own pools."""
+        for lc, src_level, src, dst_level, dst in copies.batches():
+            self.own[dst_level][lc][dst] = self.own[src_level][lc][src]
+        if len(copies):
+            self.applied.append(copies.table())
+
+    def applied_table(self) -> np.ndarray:
+        """Every copy carried out so far, ``int64[n, 5]`` in order."""
+        return np.concatenate(self.applied) if self.applied else np.zeros((0, 5), dtype=np.int64)
 
     def read_page(self, lc: int, pool_index: int) -> np.ndarray:
         """A copy of one page's ``T`` words."""
@@ -303,7 +349,7 @@ class Engine:
         rows = attached_rows(blocks)
         rows = rows[np.argsort(blocks["ordinal"][rows], kind="stable")]  # parents first
         gpu = [_host(self.words(lc)) for lc in range(L)]
-        host = [None if self.mgr.page_memory(lc, 1) is None else self.mgr.page_memory(lc, 1).view(np.int64) for lc in range(L)]
+        host = [self.host_words(lc) for lc in range(L)]
         end_digest: dict = {}  # row -> running digest after the block's last token
         for r in rows:
             parent = int(blocks["parent"][r])

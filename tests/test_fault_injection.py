@@ -245,14 +245,18 @@ class FaultyWorkload:
         "swa-host": dict(layers=(Attention(), Attention(window=6)), pages=20, host=12),
     }
 
-    def __init__(self, seed: int, config: str, rate: float = 0.35, backend="cpu", kinds=None):
+    def __init__(self, seed: int, config: str, rate: float = 0.35, backend="cpu", kinds=None, index_only=False,
+                 max_blocks=None):
+        """``index_only``: ``page_bytes=0``, and the engine keeps the KV in its
+        own arrays, carrying out the copies it takes from the manager.
+        ``max_blocks``: the tables preallocated (``CacheConfig.max_blocks``)."""
         self.rng = rng = random.Random(seed)
         c = dict(self.CONFIGS[config])
         extra = {k: v for k, v in c.items() if k not in ("layers", "pages", "host")}
         self.mgr = make_manager(
             backend, tokens_per_block=T, layers=list(c["layers"]), pages_per_life_cycle=c["pages"],
-            host_pages_per_life_cycle=c["host"], page_bytes=8 * T, enable_partial_reuse=rng.random() < 0.7,
-            max_kv_event_entries=10**6, **extra,
+            host_pages_per_life_cycle=c["host"], page_bytes=0 if index_only else 8 * T,
+            enable_partial_reuse=rng.random() < 0.7, max_kv_event_entries=10**6, max_blocks=max_blocks, **extra,
         )
         self.engine = Engine(self.mgr)
         self.events = EventTracker(self.mgr)
@@ -363,6 +367,12 @@ class FaultyWorkload:
                 self.drop_a_plan()
             else:
                 self.clear()
+        if self.engine.owns_memory and self.faults.rate > 0:
+            # The engine takes the step's copies, and that call may fail too
+            # (then they come with the next take); carrying them out is its own.
+            _, copies, _ = self.faults.call(self.mgr.take_page_copies)
+            if copies is not None:
+                self.engine.apply(copies)
         self.verify()
 
     # -- checks ------------------------------------------------------------------------------

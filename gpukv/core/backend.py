@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -195,6 +197,58 @@ class Backend:
 
 def get_backend(name: str | None = "auto") -> Backend:
     return Backend(resolve(name))
+
+
+# -- streams ------------------------------------------------------------------------
+class _SimulatedStream(threading.local):
+    stream = None  # cudasim: the stream of the manager call in progress on this thread
+
+
+_simulated = _SimulatedStream()
+_NUMBA_STREAMS: dict = {}  # CUDA stream handle -> the Numba stream object for it
+
+
+def launch_stream():
+    """The stream gpukv's CUDA kernels launch on (the third item of a launch
+    configuration): the stream CuPy currently works on, so the kernels and
+    the CuPy array operations of a call are queued in one order on one
+    stream. A manager made with ``stream=`` makes its stream CuPy's current
+    one for each of its calls (``stream_scope``). Under the simulator it is
+    that manager's simulated stream, else 0."""
+    if _simulated.stream is not None:
+        return _simulated.stream
+    cupy = sys.modules.get("cupy")
+    if cupy is None or simulator_enabled():
+        return 0
+    return numba_stream_for(cupy.cuda.get_current_stream().ptr)
+
+
+def numba_stream_for(ptr: int):
+    """The Numba stream for a CUDA stream handle: 0 (CuPy's default, the
+    null stream) stays 0, Numba's default; 1 is the legacy default stream, 2
+    the per-thread default stream, as the CUDA runtime numbers them."""
+    if ptr == 0:
+        return 0  # Numba's default stream: what a launch without a stream gets
+    s = _NUMBA_STREAMS.get(ptr)
+    if s is None:
+        from numba import cuda
+
+        if ptr == 1:
+            s = cuda.legacy_default_stream()
+        elif ptr == 2:
+            s = cuda.per_thread_default_stream()
+        else:
+            s = cuda.external_stream(ptr)
+        _NUMBA_STREAMS[ptr] = s
+    return s
+
+
+def swap_simulated_stream(stream):
+    """cudasim: make ``stream`` the one this thread's launches get; returns
+    the one it replaces (``streams.py`` restores it after the call)."""
+    previous = _simulated.stream
+    _simulated.stream = stream
+    return previous
 
 
 def device_jit(target: str, inline: bool = True):

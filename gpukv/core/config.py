@@ -23,6 +23,7 @@ MAX_TOKEN_ID = 2**31 - 1
 PRIORITY_MIN = 0  # eviction priorities: lower values are evicted first
 PRIORITY_MAX = 100
 DEFAULT_PRIORITY = 35
+MIN_MAX_BLOCKS = 8  # max_blocks: a root and the blocks of a short request, with the rows a call keeps free
 
 
 def check_priority(value, what: str) -> int:
@@ -124,6 +125,10 @@ class CacheConfig:
     host_pages_per_life_cycle: int | Sequence[int] = 0
     swa_scratch_reuse: SwaScratchReuse | None = None
     event_hash: str = "sha256"  # block hashes in events: "sha256" (hex) or "sha256_64" (unsigned int)
+    # Block rows of the index, allocated at construction: the tables never
+    # grow (a call that would need more rows is refused). None: start small
+    # and grow by doubling.
+    max_blocks: int | None = None
 
     def __post_init__(self):
         if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__iter__"):
@@ -179,6 +184,8 @@ class CacheConfig:
             raise ConfigError(f"event_hash must be one of {EVENT_HASHES}, got {self.event_hash!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.max_blocks is not None:
+            positive_int("max_blocks", self.max_blocks, minimum=MIN_MAX_BLOCKS)
         if self.ssm_life_cycle_id is not None and not self.commit_min_snapshot:
             raise ConfigError("commit_min_snapshot must be True when an Ssm layer exists")
 

@@ -44,7 +44,7 @@ from ..core.layout import (
     PAGE_PRIORITY,
     PAGE_STATE,
 )
-from ..core.backend import cpu_kernel
+from ..core.backend import cpu_kernel, launch_stream
 from .link import helper, link
 from .blocks import page_death
 from .index import is_attached
@@ -310,7 +310,7 @@ def build_evictable_kernel(target: str):
 
     def run(S, start, n, mask):
         if n:
-            kernel[(n + threads - 1) // threads, threads](S, start, n, mask)
+            kernel[(n + threads - 1) // threads, threads, launch_stream()](S, start, n, mask)
 
     return run
 

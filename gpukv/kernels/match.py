@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..core.backend import cpu_kernel
+from ..core.backend import cpu_kernel, launch_stream
 from ..core.layout import (  # noqa: F401 (the result columns are re-exported for the host)
     LN_COUNT,
     LN_NODE,
@@ -99,7 +99,7 @@ def build_match_kernels(target: str) -> SimpleNamespace:
     threads = 128
 
     def grid(n):
-        return max(1, (n + threads - 1) // threads), threads
+        return max(1, (n + threads - 1) // threads), threads, launch_stream()
 
     def match(S, B, partial, backoff, ssm_lc):
         n = B.starts.shape[0]

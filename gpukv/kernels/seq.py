@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from collections import namedtuple
 
-from ..core.backend import cpu_kernel
+from ..core.backend import cpu_kernel, launch_stream
 from ..core.layout import (  # noqa: F401 (the scalars and reference kinds are re-exported for the host)
     ACTIVE,
     ALLOWED,
@@ -135,7 +135,7 @@ def build_seq_kernel(target: str):
     kernel = cuda.jit(k.kernel(_run_cuda, cuda=cuda))
 
     def run(S, Q, op):
-        kernel[1, 1](S, Q, op)
+        kernel[1, 1, launch_stream()](S, Q, op)
 
     return run
 

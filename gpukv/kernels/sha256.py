@@ -28,7 +28,7 @@ import functools
 
 import numpy as np
 
-from ..core.backend import bind_globals
+from ..core.backend import bind_globals, launch_stream
 from .link import helper, jit_group, link
 
 __all__ = [
@@ -236,7 +236,7 @@ def build_sha256_kernel(target: str):
 
         def kernel(parents, tokens, lengths, mm, out):
             blocks = (tokens.shape[0] + threads - 1) // threads
-            cuda_kernel[blocks, threads](parents, tokens, lengths, mm, out)
+            cuda_kernel[blocks, threads, launch_stream()](parents, tokens, lengths, mm, out)
     else:
         raise ValueError(f"unknown kernel target {target!r}")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from ..core.backend import cpu_kernel
+from ..core.backend import cpu_kernel, launch_stream
 from ..core.config import DEFAULT_PRIORITY
 from ..core.layout import (
     ADD_NUM_TOKENS,
@@ -237,7 +237,7 @@ def build_tree_kernel(target: str):
     kernel = cuda.jit(k.kernel(_run_cuda, cuda=cuda))
 
     def run(S, op, args, toks, out):
-        kernel[1, 1](S, op, args, toks, out)
+        kernel[1, 1, launch_stream()](S, op, args, toks, out)
 
     return run
 

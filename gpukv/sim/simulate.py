@@ -620,6 +620,9 @@ class Simulator:
         self.stats.evicted += ev["evicted"]
         self.stats.migrated += ev["migrated"]
         self.stats.dropped += ev["dropped"]
+        # An engine carries these out on its KV tensors every step; the
+        # simulated model has none, so they are taken and dropped here.
+        self.mgr.take_page_copies()
 
 
 # -- running and reporting ---------------------------------------------------------------------

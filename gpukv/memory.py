@@ -1,0 +1,128 @@
+"""How much device memory the index takes: the sum of its tables' sizes.
+
+``index_memory(config)`` computes, for a configuration, the bytes of every
+device table ``Tables`` allocates (``tables.DeviceTables``), from the record
+widths and dtypes declared in ``core/layout.py`` and the sizing rules of
+``tables.py``; nothing is allocated. A test checks it against the ``nbytes``
+of a manager's actual arrays, table by table.
+
+With ``CacheConfig.max_blocks`` set, the tables are allocated at these sizes
+at construction and never grow, so the figure is the index's whole footprint
+for the manager's life. With ``max_blocks=None`` the block-indexed tables
+start at 256 rows and double as the tree grows, and the change log grows with
+the widest call; pass ``blocks=`` for the size at a given row count.
+
+Not counted here: page memory (``page_bytes > 0``: one ``[pages,
+page_bytes]`` array per life cycle and cache level), the token arena of
+registered ``TokenSequence``s, each open cache's own small arrays, match
+results, and the table of interned multimodal digests beyond its first row
+(32 bytes per distinct digest held).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .core.config import CacheConfig
+from .core.layout import BLOCKS, COPIES, COUNTERS, EVICT_COUNTS, LATE, LOG, PAGES, POLICY, SLOTS
+from .kernels.sha256 import SHA256_WORK_WORDS
+from .kernels.tree import NUM_LEVELS
+from .tables import DeviceTables, preallocated_sizes, pow2_at_least
+
+INT64 = np.dtype(np.int64).itemsize
+INT32 = np.dtype(np.int32).itemsize
+
+
+@dataclass(frozen=True)
+class IndexMemory:
+    """Bytes of each device table (``tables``, by ``DeviceTables`` field) and
+    their sum (``total``), at ``blocks`` block rows."""
+
+    blocks: int
+    tables: dict
+
+    @property
+    def total(self) -> int:
+        return sum(self.tables.values())
+
+    def __int__(self) -> int:
+        return self.total
+
+
+def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
+    """The device memory of a manager's index tables for ``config``, in bytes.
+
+    ``blocks``: block rows to count (default: ``config.max_blocks``, or the
+    256 rows the tables start with when it is None). Per-table sizes:
+
+    - per block row ``r``: ``blocks`` (its layout width, int64), ``tokens``
+      (``T`` int32), ``slots`` (one row per life cycle, int32), ``block_free``
+      (int64), and two child-index bucket arrays of the power of two at least
+      ``2r`` (int64);
+    - per page ``P`` (GPU and host pages of every life cycle): ``pages``
+      (its layout width, int64), ``page_free`` and ``row_free`` (int64), the
+      copy list (``3P + 16`` records) and the late list (``2P + 16``);
+    - the change log (``log``, ``log_tokens``) and the victim lists, at the
+      sizes ``tables.preallocated_sizes`` gives (with ``max_blocks``: a call
+      over that many blocks, every row in use; the largest pool);
+    - small per-life-cycle and per-pool arrays, the counters, the policy
+      switches, the SHA-256 scratch, one row of multimodal digests.
+    """
+    if not isinstance(config, CacheConfig):
+        raise TypeError(f"config must be a gpukv.CacheConfig, got {type(config).__name__}")
+    sizes = preallocated_sizes(config)
+    if blocks is None:
+        rows = sizes["blocks"]
+    elif isinstance(blocks, (int, np.integer)) and not isinstance(blocks, bool) and blocks >= 1:
+        rows = int(blocks)
+    else:
+        raise ValueError(f"blocks must be a positive int or None, got {blocks!r}")
+    T = config.tokens_per_block
+    L = len(config.life_cycles)
+    P = sum(config.pages_per_life_cycle_list()) + sum(config.pages_per_life_cycle_list(host=True))
+    pools = max(1, L * NUM_LEVELS)
+    buckets = pow2_at_least(2 * rows)
+
+    def record(layout, n: int) -> int:
+        return n * layout.width * layout.dtype.itemsize
+
+    tables = {
+        "blocks": record(BLOCKS, rows),
+        "tokens": rows * T * INT32,
+        "slots": record(SLOTS, rows * L),
+        "pages": record(PAGES, P),
+        "buckets": buckets * INT64,
+        "sibling_buckets": buckets * INT64,
+        "block_free": rows * INT64,
+        "pool_start": L * NUM_LEVELS * INT64,
+        "pool_top": L * NUM_LEVELS * INT64,
+        "pool_size": L * NUM_LEVELS * INT64,
+        "page_free": P * INT64,
+        "row_start": L * INT64,
+        "row_top": L * INT64,
+        "row_free": P * INT64,
+        "copies": record(COPIES, 3 * P + 16),
+        "victims": pools * sizes["victims"] * INT64,
+        "victim_ticks": pools * sizes["victims"] * INT64,
+        "victim_count": pools * INT64,
+        "victim_next": pools * INT64,
+        "victim_total": pools * INT64,
+        "evict_counts": record(EVICT_COUNTS, max(1, L)),
+        "late": record(LATE, 2 * P + 16),
+        "no_host_room": max(1, L) * INT64,
+        "counters": record(COUNTERS, 1),
+        "log": record(LOG, sizes["log"]),
+        "log_tokens": sizes["log_tokens"] * max(1, T) * INT32,
+        "lc_kind": L * INT64,
+        "lc_window": L * INT64,
+        "lc_sinks": L * INT64,
+        "mm_digests": 32,
+        "work": SHA256_WORK_WORDS * np.dtype(np.uint32).itemsize,
+        "policy": record(POLICY, 1),
+    }
+    missing = set(DeviceTables._fields) ^ set(tables)
+    if missing:  # a table added to Tables must be counted here too
+        raise AssertionError(f"index_memory does not match the device tables: {sorted(missing)}")
+    return IndexMemory(rows, tables)

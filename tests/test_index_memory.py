@@ -1,0 +1,128 @@
+"""The index's device memory: ``gpukv.index_memory`` against the arrays a
+manager actually allocates, and ``CacheConfig.max_blocks``, which allocates
+every table at construction so none grows afterwards (a call that would need
+more is refused, changing nothing)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpukv
+from gpukv import Attention, Ssm, introspect
+
+try:  # tests/ is on sys.path under pytest's default import mode
+    from conftest import make_manager
+    from test_fault_injection import FaultyWorkload
+except ImportError:  # pragma: no cover - if tests/ becomes a package
+    from tests.conftest import make_manager
+    from tests.test_fault_injection import FaultyWorkload
+
+T = 4
+
+CONFIGS = {
+    "default": dict(),
+    "full": dict(tokens_per_block=T, pages_per_life_cycle=24),
+    "hybrid": dict(tokens_per_block=16, layers=[Attention(), Attention(window=100, sink_tokens=16), Ssm()],
+                   commit_min_snapshot=True, pages_per_life_cycle=[300, 200, 50], host_pages_per_life_cycle=[40, 0, 10]),
+    "preallocated": dict(tokens_per_block=T, layers=[Attention(), Attention(window=8)], pages_per_life_cycle=32,
+                         host_pages_per_life_cycle=16, max_blocks=200),
+}
+
+
+def _device_arrays(mgr) -> dict:
+    t = mgr._tables
+    return {f: getattr(t, f) for f in t.device._fields}
+
+
+def _pointer(a) -> int:
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_formula_is_the_tables_nbytes(backend, name):
+    mgr = make_manager(backend, **CONFIGS[name])
+    got = gpukv.index_memory(mgr.config)
+    arrays = _device_arrays(mgr)
+    assert set(got.tables) == set(arrays)
+    for field, a in arrays.items():
+        assert got.tables[field] == a.nbytes, f"{field}: formula {got.tables[field]}, allocated {a.nbytes}"
+    assert got.total == int(got) == sum(a.nbytes for a in arrays.values())
+    assert got.blocks == (mgr.config.max_blocks or 256)
+
+
+def test_formula_follows_growth():
+    """Without max_blocks the block tables double; the formula at the grown
+    row count matches them."""
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=2000)
+    introspect.insert_sequence(mgr, list(range(1, 4 * 300 + 1)))  # 300 blocks: past the first 256 rows
+    rows = mgr._tables.num_rows
+    assert rows == 512
+    got = gpukv.index_memory(mgr.config, blocks=rows)
+    for field in ("blocks", "tokens", "slots", "buckets", "sibling_buckets", "block_free", "pages", "copies"):
+        assert got.tables[field] == getattr(mgr._tables, field).nbytes, field
+    with pytest.raises(ValueError, match="blocks"):
+        gpukv.index_memory(mgr.config, blocks=0)
+    with pytest.raises(TypeError):
+        gpukv.index_memory({"tokens_per_block": 4})
+
+
+def test_formula_grows_with_the_layout_widths(monkeypatch):
+    """The per-row sizes come from the layouts, not from numbers of their own:
+    a page record one column wider costs one int64 per page more."""
+    from gpukv import memory as module
+    from gpukv.core.layout import Layout, PAGES
+
+    config = gpukv.CacheConfig(**CONFIGS["hybrid"])
+    before = gpukv.index_memory(config)
+    wider = Layout("pages", np.int64, PAGES.fields + [("extra", 1)])
+    monkeypatch.setattr(module, "PAGES", wider)
+    after = gpukv.index_memory(config)
+    pages = sum(config.pages_per_life_cycle_list()) + sum(config.pages_per_life_cycle_list(host=True))
+    assert after.tables["pages"] - before.tables["pages"] == 8 * pages
+
+
+def test_max_blocks_tables_never_grow():
+    """A long workload with eviction, migrations, snapshots, events and
+    clears: with max_blocks no device table is replaced or reallocated."""
+    w = FaultyWorkload(1, "hybrid", rate=0.0, max_blocks=160)
+    before = {f: (id(a), _pointer(a), a.shape) for f, a in _device_arrays(w.mgr).items()}
+    w.run(400)
+    after = {f: (id(a), _pointer(a), a.shape) for f, a in _device_arrays(w.mgr).items()}
+    changed = sorted(f for f in before if before[f] != after[f])
+    assert not changed, f"tables reallocated: {changed}"
+    assert w.committed_turns >= 10 and w.mgr.get_and_reset_eviction_stats()["evicted"] > 0
+
+
+def test_without_max_blocks_the_same_workload_grows():
+    """The check above can fail: without max_blocks the log and the victim
+    lists of that workload are reallocated."""
+    w = FaultyWorkload(1, "hybrid", rate=0.0)
+    before = {f: (id(a), _pointer(a)) for f, a in _device_arrays(w.mgr).items()}
+    w.run(400)
+    after = {f: (id(a), _pointer(a)) for f, a in _device_arrays(w.mgr).items()}
+    assert any(before[f] != after[f] for f in before)
+
+
+def test_max_blocks_refuses_and_changes_nothing():
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64, max_blocks=8)
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(10 * T, 10 * T)
+    before = {k: v.copy() for k, v in introspect.tables(mgr).items()}
+    with pytest.raises(gpukv.IndexFullError, match="max_blocks=8"):
+        kv.commit(list(range(1, 10 * T + 1)))  # ten blocks and a root: more rows than there are
+    assert kv.num_committed_tokens == 0
+    after = introspect.tables(mgr)
+    for name, table in before.items():
+        assert np.array_equal(table, after[name]), f"{name} changed"
+    kv.commit(list(range(1, 4 * T + 1)))  # four blocks fit
+    assert kv.num_committed_tokens == 4 * T
+    kv.close()
+    introspect.check_sanity(mgr)
+    assert mgr._tables.num_rows == 8
+
+
+@pytest.mark.parametrize("bad", [0, 7, -1, 2.5, True, "8"])
+def test_max_blocks_is_validated(bad):
+    with pytest.raises(gpukv.ConfigError, match="max_blocks"):
+        gpukv.CacheConfig(max_blocks=bad)
