@@ -122,9 +122,9 @@ class KVCacheManager:
         # Validated before the sequence takes an arena slot, so a rejected
         # call holds nothing.
         arr = None if tokens is None else token_array(tokens, self._tables.intern_digest)
-        seq = TokenSequence(self._arena)
+        seq = TokenSequence(self._arena, self._launcher)
         if arr is not None:
-            seq.extend(ValidTokens(arr))
+            self._arena.extend(seq._slot, ValidTokens(arr))  # under this call's guard already
         return seq
 
     # -- sequences -------------------------------------------------------------------------
