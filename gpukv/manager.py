@@ -11,6 +11,7 @@ import weakref
 
 import numpy as np
 
+from . import kernel_cache
 from .arena import TokenArena, TokenSequence
 from .core.backend import get_backend, quiet_simulator
 from .cache import CacheContext, KVCache, KVCacheStatus, LogicError
@@ -79,6 +80,7 @@ class KVCacheManager:
         )
         self._stats = ReuseStats()
         self._eviction_seen = np.zeros(3, dtype=np.int64)
+        kernel_cache.announce(self._backend.target)  # once per process: kernels a first call would compile
 
     # -- facts ------------------------------------------------------------------------
     @property

@@ -88,7 +88,10 @@ def build_match_kernels(target: str) -> SimpleNamespace:
         def hash_blocks(toks, src, dst, first_block, hashes, T, total):
             _split(total, PARALLEL_MIN_BLOCKS, lambda lo, hi: hash_range(toks, src, dst, first_block, hashes, T, lo, hi))
 
-        return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact)
+        # ``dispatchers``: the Numba functions behind the launchers, by kernel
+        # name, whose disk cache says whether a first call compiles.
+        return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact,
+                               dispatchers={"match": match_range, "hash": hash_range})
 
     from numba import cuda
 
@@ -114,7 +117,7 @@ def build_match_kernels(target: str) -> SimpleNamespace:
     def compact(B, block_offsets, block_ids):
         compact_k[grid(B.res.shape[0])](B, block_offsets, block_ids)
 
-    return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact)
+    return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact, dispatchers={})
 
 
 # -- kernels: module level so Numba's disk cache hits (see link.py) --------------------
