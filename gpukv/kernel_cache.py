@@ -186,7 +186,8 @@ def run_job(config, job: str) -> None:
         launcher.evictor.forget()
     else:
         raise ValueError(f"unknown compile job {job!r}; one of {tuple(JOBS)}")
-    mgr.shutdown()
+    # No shutdown(): it clears the tree through the tree kernel, which would
+    # compile that one too in every job.
 
 
 def compile_kernels(config, progress=None, processes: int | None = None) -> dict:
