@@ -18,6 +18,7 @@ import weakref
 
 import numpy as np
 
+from .launcher import serialized
 from .tokens import token_array
 
 MIN_SEGMENT_BLOCKS = 4
@@ -161,13 +162,23 @@ class TokenArena:
 
 
 class TokenSequence:
-    """One request's tokens, registered in the manager's arena."""
+    """One request's tokens, registered in the manager's arena.
 
-    def __init__(self, arena: TokenArena):
+    The calls that change the arena (``extend``, ``release``) run under the
+    manager's ``CallGuard``, as the manager's own calls do: a match reads the
+    arena, so a sequence extended or released from a callback inside a call,
+    or from another thread while one is in progress, is refused with
+    ``BusyError`` before it changes anything. (Garbage collection releases a
+    sequence's slot without the guard: it cannot be refused, and freeing a
+    slot moves no data a call in progress reads.)"""
+
+    def __init__(self, arena: TokenArena, launcher):
         self._arena = arena
+        self._launcher = launcher  # its guard serializes the calls below with the manager's
         self._slot = arena.new_slot()
         self._finalizer = weakref.finalize(self, arena.release, self._slot)
 
+    @serialized("TokenSequence.extend()")
     def extend(self, tokens) -> "TokenSequence":
         self._check()
         self._arena.extend(self._slot, tokens)
@@ -190,6 +201,7 @@ class TokenSequence:
             return view
         return view.copy()
 
+    @serialized("TokenSequence.release()")
     def release(self):
         """Give the arena space back (also done on garbage collection)."""
         self._finalizer()

@@ -8,6 +8,8 @@
 - ``gpukv match``: the index alone: match batches of arriving requests, then
   insert the finished prompts (no KV caches, no page pressure).
 - ``gpukv info``: the backend, library versions and a default manager's config.
+- ``gpukv compile``: build every kernel a configuration uses into the kernel
+  cache ahead of time, one progress step per kernel (container images, CI).
 
 The command prints the library's log messages (the ``gpukv`` logger, INFO
 and above) on stderr; results go to stdout.
@@ -147,6 +149,7 @@ def cmd_match(args) -> int:
         tokens_per_block=T, layers=[gpukv.Attention()], pages_per_life_cycle=args.pages,
         enable_partial_reuse=not args.no_partial_reuse, backend=args.backend,
     )
+    _compile_kernels(config, sys.stderr.isatty() and not args.json)
     _warm_up(config, T)
     mgr = gpukv.KVCacheManager(config)
     latencies, sizes = [], []
@@ -195,6 +198,74 @@ def cmd_match(args) -> int:
     return 0
 
 
+def _compile_kernels(config, show_progress: bool) -> dict | None:
+    """Compile the kernels of ``config`` that the kernel cache lacks, in
+    parallel processes, with a progress bar (one step per kernel) or a line
+    per kernel; None when nothing is compiled here (all cached, or a backend
+    whose kernels are not kept on disk)."""
+    import time
+
+    from . import kernel_cache
+    from .core.backend import CACHE_DIR, get_backend
+
+    target = get_backend(config.backend).target
+    todo = kernel_cache.missing(target)
+    if not todo:
+        return None
+    names = kernel_cache.KERNEL_NAMES
+    print(f"gpukv: compiling {len(todo)} of {len(names)} kernels ({', '.join(todo)}); this happens once: "
+          f"they are kept in {CACHE_DIR}", file=sys.stderr, flush=True)
+    ready = [n for n in names if n not in todo]
+    busy: list = []
+    t0 = time.perf_counter()
+
+    def progress(event, name):
+        if event == "ready":
+            ready.append(name)
+            busy.remove(name)
+        else:
+            busy.append(name)
+        if show_progress:
+            fill = 24 * len(ready) // len(names)
+            line = (f"[{'#' * fill}{'.' * (24 - fill)}] {len(ready)}/{len(names)} kernels  "
+                    f"compiling: {', '.join(busy) or '-'}  {time.perf_counter() - t0:.0f} s")
+            print(f"\r{line:<90}", end="", file=sys.stderr, flush=True)
+        elif event == "ready":
+            print(f"gpukv: {len(ready)}/{len(names)} kernels: {name} ready ({time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    result = kernel_cache.compile_kernels(config, progress=progress)
+    if show_progress:
+        print(file=sys.stderr)
+    print(f"gpukv: kernels compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def cmd_compile(args) -> int:
+    """Build every kernel a configuration uses into the kernel cache, one
+    progress step per kernel (for container images and CI caches)."""
+    from . import kernel_cache
+    from .core.backend import CACHE_DIR, get_backend
+    from .sim import simulate as sim
+
+    options = sim.SimOptions(
+        policy="full-blocks" if args.no_partial_reuse else (args.policy or "per-page"), model=args.model,
+        tokens_per_block=args.tokens_per_block, window=args.window, host_pages=args.host_pages, backend=args.backend,
+    )
+    options.validate()
+    config = options.cache_config(pages=64)
+    backend = get_backend(args.backend)
+    if backend.target != "cpu":
+        print(f"backend {backend.name}: its kernels are compiled in each process (nothing is kept on disk); "
+              "nothing to build ahead of time")
+        return 0
+    result = _compile_kernels(config, sys.stderr.isatty() and not args.no_progress)
+    n = len(kernel_cache.KERNEL_NAMES)
+    compiled = 0 if result is None else sum(how == "compiled" for how in result.values())
+    print(f"{n} kernels in the kernel cache ({compiled} compiled now, {n - compiled} already there): {CACHE_DIR}")
+    return 0
+
+
 def cmd_simulate(args) -> int:
     import json
 
@@ -225,6 +296,10 @@ def cmd_simulate(args) -> int:
     if args.kv_events and args.compare:
         raise ValueError("--compare runs twice and would publish twice on the same endpoints; leave out one of them")
     args.trace = trace_path(args.trace)
+    first = sim.SimOptions(policy=policies[0], model=args.model, tokens_per_block=args.tokens_per_block,
+                           window=args.window, host_pages=args.host_pages, backend=args.backend)
+    first.validate()
+    _compile_kernels(first.cache_config(pages=64), sys.stderr.isatty() and not args.no_progress)
     runs = []
     for policy in policies:
         options = sim.SimOptions(
@@ -323,6 +398,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "(needs matplotlib: pip install -e '.[plot]' in a checkout)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
+    cc = sub.add_parser(
+        "compile", parents=[common], help="build every kernel a configuration uses into the kernel cache",
+        description="Compile every kernel a configuration uses (the cache flags are those of gpukv simulate) into "
+                    "the kernel cache, so that later runs load them in a fraction of a second; for container "
+                    "images and CI caches. The cache is $GPUKV_CACHE_DIR (default ~/.cache/gpukv-numba), one "
+                    "folder per version of the kernel sources.",
+    )
+    cc.add_argument("--model", choices=["hybrid", "attention"], default="hybrid", help="as gpukv simulate --model")
+    cc.add_argument("--tokens-per-block", type=int, default=64, metavar="T", help="tokens per block (default 64)")
+    cc.add_argument("--window", type=int, default=1024, metavar="W", help="sliding window of the hybrid model (tokens)")
+    cc.add_argument("--policy", choices=["per-page", "full-blocks"], help="as gpukv simulate --policy")
+    cc.add_argument("--no-partial-reuse", action="store_true", help="the same as --policy full-blocks")
+    cc.add_argument("--host-pages", type=int, default=0, metavar="N", help="host-tier pages per life cycle")
+    cc.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
     m = sub.add_parser("match", parents=[common], help="replay a workload through batched reuse matching only")
     m.add_argument("--trace", metavar="FILE", nargs="?", const="", help=TRACE_HELP)
     m.add_argument("--limit", type=int, help="take the first N requests")
@@ -336,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"info": cmd_info, "simulate": cmd_simulate, "match": cmd_match}
+COMMANDS = {"info": cmd_info, "simulate": cmd_simulate, "match": cmd_match, "compile": cmd_compile}
 
 
 def main(argv=None) -> int:

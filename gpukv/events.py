@@ -295,11 +295,73 @@ class KVCacheEventManager:
         if records.size and (records.ndim != 2 or records.shape[1] != LOG.width):
             raise ValueError(f"records must have shape [n, {LOG.width}], got {records.shape}")
         digests: dict[int, bytes] = {}  # negative token id -> digest, for this batch
-        i, n = (0 if progress is None else int(progress[0])), len(records)
-        while i < n:
-            i = self._apply_record(records, i, log_tokens, digests)
-            if progress is not None:
-                progress[0] = i
+        if progress is None:
+            progress = np.zeros(1, dtype=np.int64)
+        n = len(records)
+        while int(progress[0]) < n:
+            self._apply_atomically(records, progress, log_tokens, digests)
+
+    def _apply_atomically(self, records: np.ndarray, progress: np.ndarray, log_tokens: np.ndarray,
+                          digests: dict) -> None:
+        """Apply the record at ``progress[0]`` and advance ``progress[0]`` past
+        it, or, when an exception (an asynchronous one included) cuts the
+        application short, leave everything as it was before the record.
+
+        One record changes the event state in several steps (a stored event
+        per life cycle; a removal forgets the block, then queues its removed
+        hashes), and a record the count does not pass is applied again from
+        its start. So the state the record may touch is saved first and put
+        back unless the count moved: the count is one store, made last."""
+        i = int(progress[0])
+        saved = self._save(records[i])
+        try:
+            progress[0] = self._apply_record(records, i, log_tokens, digests)
+        except BaseException:
+            if int(progress[0]) == i:
+                self._restore(saved)
+            raise
+
+    def _save(self, record) -> tuple:
+        """What applying ``record`` may change, cheaply: the announcements and
+        scope of its block (a record names one block), the small per-group
+        dicts, the buffered removals by length, the pending list by length
+        and the entries a stored event may extend in place, and the event id."""
+        key = _digest(record, LOG_DIGEST)
+        announced = self._stored.get(key)
+        if announced is not None:
+            announced = _Announced(announced.block_hash, set(announced.life_cycles))
+        pending = self._pending
+        return (
+            key, announced, self._scope_of.get(key), self._next_event_id,
+            dict(self._latest_stored), dict(self._dropped_tail),
+            {g: (hashes, len(hashes)) for g, hashes in self._removed.items()},
+            pending, len(pending), {at: pending[at] for at in self._latest_stored.values()},
+        )
+
+    def _restore(self, saved: tuple) -> None:
+        """Put back what ``_save`` kept. ``_trim`` and the flushes replace the
+        pending list and the removal lists rather than cutting them, so the
+        saved ones still hold everything they held."""
+        key, announced, scope, next_id, latest, tail, removed, pending, n_pending, extended = saved
+        if announced is None:
+            self._stored.pop(key, None)
+        else:
+            self._stored[key] = announced
+        if scope is None:
+            self._scope_of.pop(key, None)
+        else:
+            self._scope_of[key] = scope
+        for hashes, n in removed.values():
+            del hashes[n:]
+        del pending[n_pending:]
+        for at, event in extended.items():
+            if at < n_pending:
+                pending[at] = event
+        self._removed = {g: hashes for g, (hashes, _) in removed.items()}
+        self._pending = pending
+        self._latest_stored = latest
+        self._dropped_tail = tail
+        self._next_event_id = next_id
 
     def _apply_record(self, records: np.ndarray, i: int, log_tokens: np.ndarray, digests: dict) -> int:
         """Apply the record at ``i`` (a stored header with its page infos, or
@@ -478,7 +540,7 @@ class KVCacheEventManager:
                 del self._latest_stored[group]
             else:
                 self._latest_stored[group] = at - cut
-        del self._pending[:cut]
+        self._pending = self._pending[cut:]  # a new list: a saved one stays whole (_restore)
 
     def _add_stored_event(self, parent_hash, block: KVCacheStoredBlockData, group: int,
                           scope: ReuseScope | None = None) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernels.evict import build_evictable_kernel
+from .launcher import call_kernel
 from .kernels.tree import NUM_LEVELS
 from .core.layout import (
     EC_DROPPABLE,
@@ -73,7 +74,7 @@ class Evictor:
         host_tier = self._host[lc] > 0
         # The candidates are what the kernels' own ``evictable`` says (one
         # definition); the pass only orders and counts them.
-        self._mask_kernel(t.device, start, n, self._mask)
+        call_kernel(self._mask_kernel, t.device, start, n, self._mask)
         evictable = self._mask[:n].astype(bool)
         level = rows[:, PAGE_LEVEL]
         unheld = rows[:, PAGE_HOLDERS] == 0

@@ -47,6 +47,7 @@ import threading
 
 import numpy as np
 
+from . import kernel_cache
 from .core.layout import CNT_ERROR, CNT_LOG_LEN, CNT_LOG_TOKENS_LEN, CNT_NUM_COPIES, ERR_NONE
 
 
@@ -197,11 +198,12 @@ _LOADED: set = set()  # kernels whose first call completed in this process
 
 
 def call_kernel(kernel, *args) -> None:
-    """``kernel(*args)``; its first call in the process under ``first_load``."""
+    """``kernel(*args)``; its first call in the process under ``first_load``
+    (and announced when it compiles: ``kernel_cache.first_call``)."""
     if kernel in _LOADED:
         kernel(*args)
         return
-    with first_load():
+    with first_load(), kernel_cache.first_call(kernel):
         kernel(*args)
         _LOADED.add(kernel)
 

@@ -11,6 +11,7 @@ import weakref
 
 import numpy as np
 
+from . import kernel_cache
 from .arena import TokenArena, TokenSequence
 from .core.backend import get_backend, quiet_simulator
 from .cache import CacheContext, KVCache, KVCacheStatus, LogicError
@@ -92,6 +93,7 @@ class KVCacheManager:
         )
         self._stats = ReuseStats()
         self._eviction_seen = np.zeros(3, dtype=np.int64)
+        kernel_cache.announce(self._backend.target)  # once per process: kernels a first call would compile
 
     # -- facts ------------------------------------------------------------------------
     @property
@@ -145,9 +147,9 @@ class KVCacheManager:
         # Validated before the sequence takes an arena slot, so a rejected
         # call holds nothing.
         arr = None if tokens is None else token_array(tokens, self._tables.intern_digest)
-        seq = TokenSequence(self._arena)
+        seq = TokenSequence(self._arena, self._launcher)
         if arr is not None:
-            seq.extend(ValidTokens(arr))
+            self._arena.extend(seq._slot, ValidTokens(arr))  # under this call's guard already
         return seq
 
     # -- sequences -------------------------------------------------------------------------

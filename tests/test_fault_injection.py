@@ -55,11 +55,6 @@ CLOSED = gpukv.KVCacheStatus.CLOSED
 _HOST = os.path.dirname(gpukv.__file__)
 _KERNELS = os.path.join(_HOST, "kernels")
 _LAUNCHER = os.path.join(_HOST, "launcher.py")
-# The event manager applies one change-log record in several steps, and a
-# record cut short is applied again from its start: an interrupt inside it
-# repeats or loses events (the xfail tests at the end of this file). Until a
-# record applies atomically, asynchronous faults stay out of it.
-_NOT_YET_ATOMIC = (os.path.join(_HOST, "events.py"),)
 
 
 class InjectedFault(RuntimeError):
@@ -71,7 +66,7 @@ def _interruptible(code) -> bool:
     entry and exit (``CallGuard.run`` and the ``serialized`` wrapper): what an
     asynchronous exception may land in and the protocol must survive."""
     f = code.co_filename
-    if not f.startswith(_HOST) or f.startswith(_KERNELS) or f in _NOT_YET_ATOMIC:
+    if not f.startswith(_HOST) or f.startswith(_KERNELS):
         return False
     return not (f == _LAUNCHER and code.co_name in ("run", "call"))
 
@@ -597,12 +592,11 @@ def _event_rig():
     return mgr, EventTracker(mgr)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a stored record cut short between its life cycles' events is applied again in full")
 def test_an_interrupt_between_a_blocks_stored_events_repeats_none():
     """A full block with pages in two life cycles is announced with one stored
     event per group; an interrupt after the first leaves the record unapplied
-    by the launcher's count, so the settle on the way out applies it again."""
+    by the launcher's count, so the settle on the way out applies it again:
+    the record must apply in full or not at all."""
     mgr, tracker = _event_rig()
     tracker.step()
     kv = mgr.create_kv_cache()
@@ -611,11 +605,9 @@ def test_an_interrupt_between_a_blocks_stored_events_repeats_none():
     with pytest.raises(KeyboardInterrupt):
         kv.commit(list(range(1, 9)))
     kv.close()
-    tracker.step()  # AssertionError: the first group's block stored twice without a removal
+    tracker.step()  # the first group's block would read as stored twice without a removal
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a removed record cut short after forgetting the block is applied again as a no-op")
 def test_an_interrupt_inside_a_removal_loses_no_removed_event():
     """A removal forgets the block's announcements before it queues the
     removed events; an interrupt in between, and the replay finds nothing to
@@ -630,4 +622,4 @@ def test_an_interrupt_inside_a_removal_loses_no_removed_event():
     _interrupt_call(mgr._events, "_enqueue_removed", 1)
     with pytest.raises(KeyboardInterrupt):
         mgr.clear_reusable_blocks()
-    tracker.step()  # AssertionError: announced, yet no longer in the tree
+    tracker.step()  # the block would stay announced, though no longer in the tree

@@ -404,6 +404,102 @@ def test_threads_matching_the_same_sequences_get_right_answers_or_a_refusal():
     assert answered and not wrong
 
 
+@pytest.mark.parametrize("call", ["extend", "release"])
+def test_a_sequence_changed_from_inside_a_call_is_refused(call):
+    """A TokenSequence changes the arena that matching reads: from a callback
+    inside a call, or from another thread meanwhile, it is refused like any
+    call on the manager, and the sequence is left as it was."""
+    mgr, _ = rig()
+    seq = mgr.token_sequence(list(range(1, 10)))
+    refused = []
+
+    def change():
+        try:
+            seq.extend([7, 8]) if call == "extend" else seq.release()
+        except gpukv.BusyError as e:
+            refused.append(str(e))
+
+    def callback(ordinal, lc):
+        change()
+        return 35
+
+    kv = mgr.create_kv_cache(priority_callback=callback)
+    assert kv.resume() and kv.resize(8)
+    assert refused and f"TokenSequence.{call}()" in refused[0] and "kv.resize()" in refused[0]
+    assert len(seq) == 9 and not seq.released and seq.tokens.tolist() == list(range(1, 10))
+
+    inside, release = threading.Event(), threading.Event()
+
+    def blocking(ordinal, lc):
+        inside.set()
+        release.wait(30)
+        return 35
+
+    kv2 = mgr.create_kv_cache(priority_callback=blocking)
+    worker = threading.Thread(target=lambda: kv2.resume() and kv2.resize(8))
+    worker.start()
+    try:
+        assert inside.wait(30)
+        refused.clear()
+        change()
+        assert refused and "single-threaded" in refused[0]
+    finally:
+        release.set()
+        worker.join(30)
+    assert len(seq) == 9 and not seq.released
+    seq.extend([10]) if call == "extend" else seq.release()  # outside a call: allowed
+    assert seq.released if call == "release" else len(seq) == 10
+    kv.close()
+    kv2.close()
+    mgr.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+@pytest.mark.parametrize("where", ["caller-share", "while-waiting"])
+def test_an_interrupted_fan_out_leaves_no_worker_writing(monkeypatch, where):
+    """An interrupt on the calling thread of a cpu match (its own share, or a
+    signal while it waits for the workers) raises only once every worker is
+    done: nothing writes the result arrays after the call has raised."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpukv.kernels import match
+
+    pool = ThreadPoolExecutor(max_workers=3)
+    monkeypatch.setattr(match, "_POOL", [(pool, 4)])
+    out = np.zeros(4, dtype=np.int64)
+    alive = []
+
+    def share(w, k):
+        if w == 0:
+            if where == "caller-share":
+                raise KeyboardInterrupt("injected in the caller's share")
+            return
+        alive.append(w)
+        time.sleep(0.3)
+        out[w] = w
+        alive.remove(w)
+
+    def on_alarm(sig, frame):
+        raise KeyboardInterrupt("injected while waiting for the workers")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        if where == "while-waiting":
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(KeyboardInterrupt, match="injected"):
+            match._fan_out(100, 1, share)
+        seen = out.copy()
+        assert not alive, f"workers {alive} still running after the call raised"
+        time.sleep(0.4)
+        assert (out == seen).all(), "a worker wrote the results after the call raised"
+        assert seen[1:].tolist() == [1, 2, 3]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        pool.shutdown(wait=True)
+
+
 # ---------------------------------------------------------------------------
 # scope registration
 # ---------------------------------------------------------------------------

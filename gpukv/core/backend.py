@@ -255,7 +255,8 @@ def device_jit(target: str, inline: bool = True):
     """The decorator that turns a plain per-item helper into target code.
 
     ``cpu``: a ``numba.njit`` function, inlined into its callers unless
-    ``inline=False`` (large, rarely hot helpers compile faster as calls). Only
+    ``inline=False`` (large or much-called, rarely hot helpers compile faster
+    as calls: one copy is compiled instead of one per call site). Only
     kernels are cached on disk (``bind_globals``); a cached kernel carries the
     compiled code of every helper it calls.
     ``cuda``: a ``numba.cuda.jit(device=True)`` function.
@@ -265,8 +266,13 @@ def device_jit(target: str, inline: bool = True):
     if target == "cpu":
         from numba import njit
 
-        how = "always" if inline else "never"
-        return lambda f: njit(inline=how, nogil=True)(f)
+        if inline:
+            return lambda f: njit(inline="always", nogil=True)(f)
+        # A call has no reference counting either, as the kernels that call
+        # it (``cpu_kernel``): helpers allocate nothing, and with it every
+        # read of a table through the tuple of arrays costs an atomic
+        # increment and decrement.
+        return lambda f: njit(inline="never", nogil=True, _nrt=False)(f)
     if target == "cuda":
         from numba import cuda
 

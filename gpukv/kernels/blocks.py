@@ -260,7 +260,7 @@ def get_or_create_root(S, scope_id, scope_key, scope_digest):
     return r
 
 
-@helper
+@helper(inline=False)  # a call: one copy for every caller compiles faster
 def adopt_pages_from(S, r, other):
     """Move ``other``'s pages into ``r`` where strictly wider (§2.1).
 

@@ -73,7 +73,7 @@ def evictable(S, p):
     return S.pages[p, PAGE_LEVEL] < last_level(S, S.pages[p, PAGE_LIFE_CYCLE])
 
 
-@helper
+@helper(inline=False)  # a call: with evictable inside, a dozen inlined copies in the seq kernel
 def enter_lru(S, p, t):
     """``p`` takes its place ``t`` in its LRU; an evictable page also goes on
     the launch's late list, which the batched pass before it could not see."""

@@ -88,7 +88,10 @@ def build_match_kernels(target: str) -> SimpleNamespace:
         def hash_blocks(toks, src, dst, first_block, hashes, T, total):
             _split(total, PARALLEL_MIN_BLOCKS, lambda lo, hi: hash_range(toks, src, dst, first_block, hashes, T, lo, hi))
 
-        return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact)
+        # ``dispatchers``: the Numba functions behind the launchers, by kernel
+        # name, whose disk cache says whether a first call compiles.
+        return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact,
+                               dispatchers={"match": match_range, "hash": hash_range})
 
     from numba import cuda
 
@@ -114,7 +117,7 @@ def build_match_kernels(target: str) -> SimpleNamespace:
     def compact(B, block_offsets, block_ids):
         compact_k[grid(B.res.shape[0])](B, block_offsets, block_ids)
 
-    return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact)
+    return SimpleNamespace(match=match, hash_blocks=hash_blocks, compact=compact, dispatchers={})
 
 
 # -- kernels: module level so Numba's disk cache hits (see link.py) --------------------
@@ -184,15 +187,41 @@ def _pool():
 def _fan_out(n: int, minimum: int, run_share):
     """``run_share(w, k)`` for each share ``w`` of ``k``: share 0 on the
     calling thread, the others on pool workers; one share (``k = 1``) on the
-    caller alone when ``n`` is small or there is no pool."""
+    caller alone when ``n`` is small or there is no pool.
+
+    It returns, or raises, only once every worker is done: the workers write
+    the caller's result arrays, and a call that raised (an interrupt on the
+    calling thread included) must leave nothing writing behind it."""
     workers, k = _pool()
     if n < minimum or workers is None:
         run_share(0, 1)
         return
-    jobs = [workers.submit(run_share, w, k) for w in range(1, k)]
-    run_share(0, k)
+    jobs = []
+    try:
+        for w in range(1, k):
+            jobs.append(workers.submit(run_share, w, k))
+        run_share(0, k)
+    finally:
+        _join(jobs)
     for job in jobs:
-        job.result()
+        job.result()  # a worker's exception, once all are done
+
+
+def _join(jobs) -> None:
+    """Wait until every job is done, even through interrupts (a
+    ``KeyboardInterrupt`` while waiting): the first one is raised after."""
+    from concurrent.futures import wait
+
+    interrupted = None
+    while True:
+        try:
+            wait(jobs)
+            break
+        except BaseException as e:  # noqa: BLE001 -- re-raised once the workers are done
+            if interrupted is None:
+                interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 def _split(n: int, minimum: int, run):

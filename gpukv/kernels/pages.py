@@ -92,7 +92,7 @@ def push_storage(S, lc, level, index):
     S.pool_top[pool] = top + 1
 
 
-@helper
+@helper(inline=False)  # a call: one copy for every caller compiles faster
 def alloc_page(S, lc, level, priority):
     """A fresh page with a storage slot at ``level``; NULL when the pool has
     no free slot (callers make room first, see ``make_room``)."""
@@ -116,7 +116,7 @@ def alloc_page(S, lc, level, priority):
     return p
 
 
-@helper
+@helper(inline=False)  # a call: one copy for every caller compiles faster
 def free_page(S, p):
     lc = S.pages[p, PAGE_LIFE_CYCLE]
     push_storage(S, lc, S.pages[p, PAGE_LEVEL], S.pages[p, PAGE_POOL_INDEX])
@@ -183,7 +183,7 @@ def link_page(S, r, lc, p):
     set_slot(S, r, lc, p, S.pages[p, PAGE_COVERAGE])
 
 
-@helper
+@helper(inline=False)  # a call: inlined at every slot change, it made the seq kernel slow to compile
 def replace_page(S, r, lc, p):
     """Put ``p`` in the slot; the caller checked ``can_replace_page``.
 

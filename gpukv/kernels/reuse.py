@@ -221,7 +221,7 @@ def begin(S, B, i):
     return node, count
 
 
-@helper
+@helper(inline=False)  # once per request, and the largest part of a match: one copy compiles much faster
 def finish(S, B, i, node, count, partial, backoff, ssm_lc, tmp):
     """The rest of request ``i``'s match once the lane stepper put its
     leading full blocks in the path (``count`` of them, ending at ``node``):

@@ -125,7 +125,7 @@ def new_page(S, lc, state, priority):
     return p
 
 
-@helper
+@helper(inline=False)  # a call: one copy for every caller compiles faster
 def promised_page(S, lc, priority):
     """A page an all-or-nothing check promised; a miss is a bug, reported
     as a kernel error instead of a write through NULL."""

@@ -163,7 +163,7 @@ def lane_begin(S, B, st, g, i, node, count):
     return True
 
 
-@helper
+@helper(inline=False)  # once per request; a call keeps its two call sites from compiling it twice
 def lane_take(S, B, st, g, counters, stop, partial, backoff, ssm_lc, tmp):
     """``cpu``: put the next request that has a full block to walk into lane
     ``g`` (requests with none are finished on the spot). Requests are taken

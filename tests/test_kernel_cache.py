@@ -1,0 +1,98 @@
+"""The kernel cache as a user meets it: a cold start says what it compiles,
+a manager compiles nothing it is not asked to run, and ``gpukv compile``
+leaves every kernel in the cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import gpukv
+from gpukv import kernel_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(gpukv.__file__)))
+
+
+def run_cold(code: str, cache_dir) -> subprocess.CompletedProcess:
+    """``code`` in a fresh process whose kernel cache is the empty ``cache_dir``."""
+    env = dict(os.environ, GPUKV_CACHE_DIR=str(cache_dir), PYTHONPATH=ROOT, GPUKV_BACKEND="cpu")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_a_cold_start_says_what_it_will_compile_and_compiles_nothing_yet(tmp_path):
+    got = run_cold("""
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        import gpukv
+        from gpukv import kernel_cache
+        for _ in range(2):  # said once per process
+            gpukv.KVCacheManager(gpukv.CacheConfig(backend="cpu", tokens_per_block=4, pages_per_life_cycle=8))
+        compiled = [n for n, d in kernel_cache._dispatchers("cpu").items() if d.signatures]
+        print("compiled:", compiled)
+        print("missing:", kernel_cache.missing("cpu"))
+    """, tmp_path)
+    assert got.returncode == 0, got.stderr
+    lines = [line for line in got.stderr.splitlines() if "not in the kernel cache" in line]
+    assert len(lines) == 1, got.stderr
+    assert lines[0].startswith("gpukv: 6 of 6 kernels")
+    for name in kernel_cache.KERNEL_NAMES:
+        assert name in lines[0]
+    assert str(tmp_path) in lines[0] and "once" in lines[0] and "gpukv compile" in lines[0]
+    assert "compiled: []" in got.stdout  # building a manager compiles no kernel
+    assert f"missing: {list(kernel_cache.KERNEL_NAMES)}" in got.stdout
+
+
+def test_a_kernel_compiled_on_first_use_is_announced_and_then_cached(tmp_path):
+    code = """
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        import gpukv
+        from gpukv import kernel_cache
+        kernel_cache.run_job(gpukv.CacheConfig(backend="cpu", tokens_per_block=4), "evictable")
+        print("missing:", kernel_cache.missing("cpu"))
+    """
+    first = run_cold(code, tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "compiling the evictable kernel" in first.stderr
+    assert "compiling the" not in first.stderr.replace("compiling the evictable kernel", "")
+    assert "'evictable'" not in first.stdout and "'tree'" in first.stdout
+    second = run_cold(code, tmp_path)  # a later process loads it
+    assert second.returncode == 0, second.stderr
+    assert "compiling the evictable kernel" not in second.stderr
+    assert "5 of 6 kernels" in second.stderr
+
+
+def test_gpukv_compile_leaves_every_kernel_in_the_cache(capsys):
+    from gpukv.cli import main
+
+    assert main(["compile", "--backend", "cpu", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "6 kernels in the kernel cache" in out
+    assert kernel_cache.missing("cpu") == []
+
+
+def test_gpukv_compile_refuses_a_bad_flag_with_its_name(capsys):
+    from gpukv.cli import main
+
+    assert main(["compile", "--tokens-per-block", "0"]) == 2
+    assert "tokens-per-block" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpukv_compile_from_cold_builds_all_kernels_in_parallel(tmp_path):
+    env = dict(os.environ, GPUKV_CACHE_DIR=str(tmp_path), PYTHONPATH=ROOT)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    got = subprocess.run([sys.executable, "-m", "gpukv.cli", "compile", "--backend", "cpu", "--model", "attention"],
+                         env=env, capture_output=True, text=True, timeout=1800)
+    assert got.returncode == 0, got.stderr
+    assert "compiling 6 of 6 kernels" in got.stderr
+    assert "6 kernels in the kernel cache (6 compiled now" in got.stdout
+    again = subprocess.run([sys.executable, "-m", "gpukv.cli", "compile", "--backend", "cpu"], env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert "(0 compiled now, 6 already there)" in again.stdout, again.stdout + again.stderr
