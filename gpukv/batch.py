@@ -143,7 +143,7 @@ class BatchCalls:
         if not want.any():
             return
         L = self.L
-        rows, where = [], []
+        rows = []
         for i in np.flatnonzero(want).tolist():  # only caches with a callback are ever short
             kv = caches[i]
             cb = kv._priority_callback

@@ -16,6 +16,7 @@ the middle of a batch; caches share prefixes through a tiny vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -24,15 +25,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpukv
-from gpukv import Attention, introspect
 
 try:  # tests/ is on sys.path under pytest's default import mode
-    import oracle_kv as OK
-    from conftest import make_manager
+    from conftest import GPU_BACKEND
+    from engine import Engine
     from test_kvcache_differential import CONFIG_IDS, CONFIGS, ORACLE_SCOPES, SCOPES, Lockstep, Turn
 except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests import oracle_kv as OK
-    from tests.conftest import make_manager
+    from tests.conftest import GPU_BACKEND
+    from tests.engine import Engine
     from tests.test_kvcache_differential import CONFIG_IDS, CONFIGS, ORACLE_SCOPES, SCOPES, Lockstep, Turn
 
 POOL = 4096
@@ -44,9 +44,12 @@ class BatchLockstep(Lockstep):
     """``Lockstep``'s oracle and gpukv manager, the gpukv side driven through
     the batched calls, plus a twin manager driven per cache."""
 
-    def __init__(self, rng, config, pool: int = POOL):
+    def __init__(self, rng, config, pool: int = POOL, backend: str = "cpu"):
         super().__init__(rng, config, pool)
-        self.twin = gpukv.KVCacheManager(self.mgr.config)
+        if backend != "cpu":  # the batched side on the CUDA kernels, the twin on cpu
+            self.mgr = gpukv.KVCacheManager(dataclasses.replace(self.mgr.config, backend=backend))
+            self.engine = Engine(self.mgr)
+        self.twin = gpukv.KVCacheManager(dataclasses.replace(self.mgr.config, backend="cpu"))
         self.twins: dict = {}  # id(turn) -> the twin's cache
         self.flat_form = False
 
@@ -125,7 +128,7 @@ class BatchLockstep(Lockstep):
 
     # -- one step of the engine ---------------------------------------------------------------
     def engine_step(self):
-        rng, T = self.rng, self.T
+        rng = self.rng
         if len(self.open) < 6 and rng.random() < 0.4:
             self.admit(rng.randint(1, 3))
         running = [t for t in self.open if t.g.status.name == "ACTIVE" and not t.stopped]
@@ -219,3 +222,13 @@ def test_batched_calls_under_memory_pressure(config, pool):
        rng=st.randoms(use_true_random=False))
 def test_short_batched_workloads(config, pool, rng):
     BatchLockstep(rng, config, pool).run_steps(12)
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("pool", [POOL, PRESSURE_POOL])
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[8]], ids=[CONFIG_IDS[0], CONFIG_IDS[8]])
+def test_batched_calls_on_the_cuda_kernels(config, pool):
+    """The same lockstep, the batched side on the CUDA kernels (simulated
+    unless GPUKV_TEST_CUDA=1), at small sizes."""
+    stats = BatchLockstep(random.Random(2), config, pool, backend=GPU_BACKEND).run_steps(10)
+    assert stats.get("commits", 0) > 5, stats
