@@ -120,6 +120,10 @@ class KVCache:
         self._open_caches = ctx.open_caches
         self._pool = ctx.pool
         self._slot = slot
+        # The host copy of the cache's scalars, refreshed after every launch: a
+        # row of the pool's, re-pointed by the pool when that grows.
+        self._scalars = ctx.pool.host_scalars[slot]
+        ctx.pool.caches[slot] = self
         self._slot_array = np.array([slot], dtype=np.int64)
         self._views = None  # (pool generation, SeqTables views)
         self._serial = int(ctx.pool.serial[slot])
@@ -147,11 +151,6 @@ class KVCache:
 
     def _set_priorities_known(self, n: int):
         self._pool.priorities_known[self._slot] = n
-
-    @property
-    def _scalars(self):
-        """The host copy of the cache's scalars (refreshed after every launch)."""
-        return self._pool.host_scalars[self._slot]
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -418,13 +417,13 @@ class KVCache:
         eviction victims are listed beforehand). ``tokens`` and ``path`` are
         the kernel's input copied into the cache's rows (commit, reuse setup)."""
         pool = self._pool
-        q = self._q
+        slot = self._slot
         a = np.zeros(4, dtype=np.int64)
         a[: len(args)] = args
-        q.args[:] = self._backend.to_device(a)
+        pool.arrays.args[slot] = self._backend.to_device(a) if pool._on_gpu else a
         # Every block this cache may touch, the pages it may allocate, scratch.
-        self._tables.ensure_log(q.tree.shape[0] + need + q.scratch.shape[1] + 8)
-        pool.launch_one(self._launcher, self._slot_array, op, tokens, path,
+        self._tables.ensure_log(int(pool.seg[slot, 1]) + need + pool.scratch_width + 8)
+        pool.launch_one(self._launcher, slot, op, tokens, path,
                         need=[need] * self._num_life_cycles if need else None, results=self._after_launch)
         return bool(self._scalars[Q_RESULT])
 

@@ -19,13 +19,14 @@ cache still answers its committed tokens until then).
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import numpy as np
 
 from .core.config import DEFAULT_PRIORITY
 from .core.kinds import has_window
 from .core.layout import NULL, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_WIDTH, SEQ_ARGS_WIDTH, TREE_OUT
-from .kernels.seq import SeqPool, SeqTables, build_seq_kernel
+from .kernels.seq import BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, SeqPool, SeqTables, build_seq_kernel
 
 _SERIALS = itertools.count(1)  # tells every cache of the process apart (identity checks of batched calls)
 NO_CALLBACK = np.iinfo(np.int64).max  # priorities_known of a cache without a priority callback
@@ -59,6 +60,7 @@ class CachePool:
         self.width = max(self.L, 1)
         self.scratch_width = scratch_width(config)
         self.run = build_seq_kernel(backend.target)
+        self._on_gpu = backend.on_gpu
         self.gen = 0  # bumped whenever a segment moves or an array is replaced
         self.top = 0  # the first block row no segment has used since the last packing
         self.seg = np.zeros((0, 2), dtype=np.int64)  # host copy: (base, blocks) per slot
@@ -67,11 +69,11 @@ class CachePool:
         # Ordinals whose page priorities the slot's callback gave (NO_CALLBACK: none to ask).
         self.priorities_known = np.zeros(0, dtype=np.int64)
         self._free: list[int] = []  # free slots, a stack
+        self.caches = weakref.WeakValueDictionary()  # slot -> its cache (to re-point its scalars)
         self._released: list[int] = []  # slots of collected caches (appended from finalizers)
         self.arrays: SeqPool | None = None
         xp = backend.xp
-        self._op1 = np.zeros(1, dtype=np.int64)
-        self._zeros = xp.zeros(2, dtype=np.int64)  # offsets of a call without input tokens or path
+        self._work1 = np.zeros((2, BATCH_WIDTH), dtype=np.int64)  # the work list of a per-cache call
         self._no_tokens = xp.zeros(0, dtype=np.int32)
         self._no_path = xp.zeros(0, dtype=np.int64)
         self._grow_slots(16)
@@ -159,6 +161,8 @@ class CachePool:
             if old:
                 host[:old] = self.host_scalars
         self.host_scalars = host  # the scalars as last read back (the array itself off the GPU)
+        for s, kv in list(self.caches.items()):
+            kv._scalars = host[s]
         self._sync_seg()
         self.gen += 1
 
@@ -261,51 +265,53 @@ class CachePool:
     def refresh(self, slots) -> None:
         """The host copy of ``slots``' scalars, in one transfer (nothing to do
         where the device arrays are host memory)."""
-        b = self.backend
-        if b.on_gpu:
+        if self._on_gpu:
+            b = self.backend
             self.host_scalars[slots] = b.to_host(self.arrays.scalars[b.to_device(np.asarray(slots))])
 
-    def launch(self, launcher, items, ops, tokens=None, tokens_off=None, path=None, path_off=None, need=None,
+    def launch(self, launcher, slots, ops, tokens=None, tokens_off=None, path=None, path_off=None, need=None,
                results=None) -> None:
         """One launch of the sequence kernel: call ``ops[i]`` on slot
-        ``items[i]``, in order, with its input tokens and matched blocks
+        ``slots[i]``, in order, with its input tokens and matched blocks
         (``tokens[tokens_off[i]:tokens_off[i + 1]]``, likewise ``path``; None:
         none). ``need`` and ``results`` as ``Launcher.launch`` takes them."""
-        n = len(items)
-        none = self._no_offsets(n)
-        i64, i32 = self._as_int64, self._as_int32
+        n = len(slots)
+        work = np.zeros((n + 1, BATCH_WIDTH), dtype=np.int64)
+        work[:n, BATCH_SLOT] = slots
+        work[:n, BATCH_OP] = ops
+        if tokens is not None:
+            work[:, BATCH_TOKENS] = self.backend.to_host(tokens_off)
+        if path is not None:
+            work[:, BATCH_PATH] = path_off
+        self._run(launcher, work, tokens, path, need, results)
+
+    def launch_one(self, launcher, slot: int, op: int, tokens=None, path=None, need=None, results=None) -> None:
+        """``launch`` for one cache."""
+        work = self._work1
+        work[0, BATCH_SLOT] = slot
+        work[0, BATCH_OP] = op
+        work[1, BATCH_TOKENS] = 0 if tokens is None else len(tokens)
+        work[1, BATCH_PATH] = 0 if path is None else len(path)
+        self._run(launcher, work, tokens, path, need, results)
+
+    def _run(self, launcher, work, tokens, path, need, results):
+        b = self.backend
         launcher.launch(
-            self.run, self.arrays, i64(items), i64(ops),
-            self._no_tokens if tokens is None else i32(tokens), none if tokens is None else i64(tokens_off),
-            self._no_path if path is None else i64(path), none if path is None else i64(path_off),
+            self.run, self.arrays, b.to_device(work) if self._on_gpu else work,
+            self._no_tokens if tokens is None else self._as_int32(tokens),
+            self._no_path if path is None else self._as_int64(path),
             need=need, results=results,
         )
 
     def _as_int64(self, a):
         """On the device, contiguous int64 (the one signature the kernel is compiled for)."""
-        if type(a) is np.ndarray and a.dtype == np.int64 and not self.backend.on_gpu and a.flags.c_contiguous:
+        if type(a) is np.ndarray and a.dtype == np.int64 and not self._on_gpu and a.flags.c_contiguous:
             return a
         xp = self.backend.xp
         return xp.ascontiguousarray(xp.asarray(a, dtype=np.int64))
 
     def _as_int32(self, a):
-        if type(a) is np.ndarray and a.dtype == np.int32 and not self.backend.on_gpu and a.flags.c_contiguous:
+        if type(a) is np.ndarray and a.dtype == np.int32 and not self._on_gpu and a.flags.c_contiguous:
             return a
         xp = self.backend.xp
         return xp.ascontiguousarray(xp.asarray(a, dtype=np.int32))
-
-    def launch_one(self, launcher, item, op, tokens=None, path=None, need=None, results=None) -> None:
-        """``launch`` for one cache (``item``: its slot as a 1-element array)."""
-        self._op1[0] = op
-        self.launch(
-            launcher, item, self._op1,
-            tokens, None if tokens is None else np.array([0, len(tokens)], dtype=np.int64),
-            path, None if path is None else np.array([0, len(path)], dtype=np.int64),
-            need=need, results=results,
-        )
-
-    def _no_offsets(self, n: int):
-        z = self._zeros
-        if z.shape[0] < n + 1:
-            z = self._zeros = self.backend.xp.zeros(2 * n + 2, dtype=np.int64)
-        return z[: n + 1]

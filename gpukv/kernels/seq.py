@@ -149,33 +149,44 @@ def forget_eviction_counts(S):
         S.no_host_room[lc] = 0
 
 
+# The work list of one launch (``work``: int64 [n + 1, BATCH_WIDTH]): row i
+# names item i's slot and op, and where its input starts in the flat token
+# and path arrays; row n only ends the last item's input.
+BATCH_SLOT = 0
+BATCH_OP = 1
+BATCH_TOKENS = 2
+BATCH_PATH = 3
+BATCH_WIDTH = 4
+
+
 @helper(inline=False)
-def seq_batch(S, P, items, ops, flat, flat_off, path, path_off):
-    """The calls ``ops[i]`` on the caches in slots ``items[i]``, in order, as
-    one launch. Item ``i`` first gets its input copied in: tokens
-    ``flat[flat_off[i]:flat_off[i + 1]]`` (a commit's at its first position,
-    reuse setup's from 0) and matched blocks ``path[path_off[i]:...]``."""
+def seq_batch(S, P, work, tokens, path):
+    """The calls ``work[i, BATCH_OP]`` on the caches in slots
+    ``work[i, BATCH_SLOT]``, in order, as one launch. Item ``i`` first gets
+    its input copied in: tokens ``tokens[work[i, BATCH_TOKENS]:work[i + 1,
+    BATCH_TOKENS]]`` (a commit's at its first position, reuse setup's from
+    0) and matched blocks from ``path`` likewise."""
     T = S.tokens.shape[1]
     begin_launch(S)
-    for i in range(items.shape[0]):
+    for i in range(work.shape[0] - 1):
         if i > 0:
             forget_eviction_counts(S)
         # Slot s's SeqTables: views of its rows of the pool, the arrays the
         # single-cache code was written for.
-        s = items[i]
+        s = work[i, BATCH_SLOT]
         a = P.seg[s, 0]
         b = a + P.seg[s, 1]
         Q = SeqTables(
             P.pages[a:b], P.kinds[a:b], P.tree[a:b], P.tokens[a * T:b * T], P.scalars[s], P.priority[a:b],
             P.path[a:b], P.args[s], P.out[s], P.counts[s], P.scope_digest[s], P.scratch[s], P.scratch_count[s],
         )
-        op = ops[i]
+        op = work[i, BATCH_OP]
         at = Q.args[COMMIT_FIRST] if op == SEQ_COMMIT else 0
-        f0 = flat_off[i]
-        for j in range(flat_off[i + 1] - f0):
-            Q.tokens[at + j] = flat[f0 + j]
-        p0 = path_off[i]
-        for j in range(path_off[i + 1] - p0):
+        t0 = work[i, BATCH_TOKENS]
+        for j in range(work[i + 1, BATCH_TOKENS] - t0):
+            Q.tokens[at + j] = tokens[t0 + j]
+        p0 = work[i, BATCH_PATH]
+        for j in range(work[i + 1, BATCH_PATH] - p0):
             Q.path[j] = path[p0 + j]
         seq_step(S, Q, op)
     end_launch(S)
@@ -183,8 +194,8 @@ def seq_batch(S, P, items, ops, flat, flat_off, path, path_off):
 
 @functools.lru_cache(maxsize=None)
 def build_seq_kernel(target: str):
-    """``run(S, P, items, ops, flat, flat_off, path, path_off)``: a batch of
-    sequence calls, serially, in one launch (see ``seq_batch``)."""
+    """``run(S, P, work, tokens, path)``: a batch of sequence calls, serially,
+    in one launch (see ``seq_batch``)."""
     k = link(target)
     if target == "cpu":
         return cpu_kernel(k.kernel(_run_cpu))
@@ -193,17 +204,17 @@ def build_seq_kernel(target: str):
 
     kernel = cuda.jit(k.kernel(_run_cuda, cuda=cuda))
 
-    def run(S, P, items, ops, flat, flat_off, path, path_off):
-        kernel[1, 1](S, P, items, ops, flat, flat_off, path, path_off)
+    def run(S, P, work, tokens, path):
+        kernel[1, 1](S, P, work, tokens, path)
 
     return run
 
 
 # Kernel entry points: module level so Numba's disk cache hits (link.py).
-def _run_cpu(S, P, items, ops, flat, flat_off, path, path_off):
-    seq_batch(S, P, items, ops, flat, flat_off, path, path_off)
+def _run_cpu(S, P, work, tokens, path):
+    seq_batch(S, P, work, tokens, path)
 
 
-def _run_cuda(S, P, items, ops, flat, flat_off, path, path_off):
+def _run_cuda(S, P, work, tokens, path):
     if cuda.grid(1) == 0:  # noqa: F821 (bound by Linked.kernel)
-        seq_batch(S, P, items, ops, flat, flat_off, path, path_off)
+        seq_batch(S, P, work, tokens, path)
