@@ -69,6 +69,10 @@ class BatchCalls:
             raise TypeError(f"{what}: caches must be a list of KVCache")
         n = len(caches)
         pool = self.pool
+        if n == 1:  # admission chunks: one cache per call, checked without arrays
+            s, serial = getattr(caches[0], "_slot", None), getattr(caches[0], "_serial", None)
+            if type(s) is int and 0 <= s < pool.serial.shape[0] and pool.serial[s] == serial:
+                return np.array([s], dtype=np.int64)
         try:
             slots = np.fromiter(map(_slot_of, caches), dtype=np.int64, count=n)
             serials = np.fromiter(map(_serial_of, caches), dtype=np.int64, count=n)

@@ -185,31 +185,40 @@ class CachePool:
         if self.top + need > self.num_rows:
             self._pack(need)
         old_base, old_len = self.seg[slots, 0], self.seg[slots, 1]
-        base = self.top + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
+        top, T = self.top, self.T
+        base = top + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
         A = self.arrays
-        b = self.backend
-        fresh = b.to_device(ranges(base, blocks))
-        for name, fill in _BLOCK_FILL.items():
-            getattr(A, name)[fresh] = fill
-        T = self.T
-        A.tokens[b.to_device(ranges(base * T, blocks * T))] = 0
-        if old_len.any():
-            src, dst = ranges(old_base, old_len), ranges(base, old_len)
-            self._copy_rows(A, A, src, dst)
+        for name, fill in _BLOCK_FILL.items():  # the new segments are one stretch from the top
+            getattr(A, name)[top:top + need] = fill
+        A.tokens[top * T:(top + need) * T] = 0
+        moved = np.flatnonzero(old_len)
+        if moved.size <= 8:  # the usual case: a resize or two growing one segment each
+            for k in moved.tolist():
+                self._copy_span(A, A, int(old_base[k]), int(base[k]), int(old_len[k]))
+        else:
+            self._copy_rows(A, A, ranges(old_base[moved], old_len[moved]), ranges(base[moved], old_len[moved]))
         self.seg[slots, 0] = base
         self.seg[slots, 1] = blocks
         self.top += need
         self._sync_seg()
         self.gen += 1
 
+    def _copy_span(self, src_arrays, dst_arrays, s: int, d: int, n: int):
+        """Block rows ``[s, s + n)`` to ``[d, d + n)``."""
+        T = self.T
+        for name in _BLOCK_FILL:
+            getattr(dst_arrays, name)[d:d + n] = getattr(src_arrays, name)[s:s + n]
+        dst_arrays.tokens[d * T:(d + n) * T] = src_arrays.tokens[s * T:(s + n) * T]
+
     def _copy_rows(self, src_arrays, dst_arrays, src, dst):
+        """Block rows ``src`` to ``dst`` (index arrays)."""
         b = self.backend
         T = self.T
         s, d = b.to_device(src), b.to_device(dst)
         for name in _BLOCK_FILL:
             getattr(dst_arrays, name)[d] = getattr(src_arrays, name)[s]
-        ts, td = b.to_device(ranges(src * T, np.full(src.shape, T))), b.to_device(ranges(dst * T, np.full(dst.shape, T)))
-        dst_arrays.tokens[td] = src_arrays.tokens[ts]
+        # Tokens as [rows, T] views: one index per block row, not per token.
+        dst_arrays.tokens.reshape(-1, T)[d] = src_arrays.tokens.reshape(-1, T)[s]
 
     def _pack(self, extra: int) -> None:
         """Live segments packed to the front (in slot order), with room for
