@@ -197,6 +197,9 @@ class BatchCalls:
         what = "resize_batch()"
         slots = self.slots(caches, what)
         n = len(slots)
+        if n == 1 and _one_each(capacities, history_lengths):  # an admission chunk: the per-cache call
+            h = None if history_lengths is None else history_lengths[0]
+            return np.array([_as_entry(what, lambda: _per_cache(caches[0].resize)(caches[0], capacities[0], h))])
         self.require(slots, ACTIVE, what)
         S = self.pool.host_scalars
         old_cap, old_hist = S[slots, Q_CAPACITY], S[slots, Q_HISTORY]
@@ -255,6 +258,10 @@ class BatchCalls:
         what = "commit_batch()"
         slots = self.slots(caches, what)
         n = len(slots)
+        if n == 1 and type(tokens) is list and len(tokens) == 1 and isinstance(is_end, (bool, np.bool_)):
+            kv = caches[0]  # an admission chunk: the per-cache call
+            _as_entry(what, lambda: _per_cache(kv.commit)(kv, tokens[0], bool(is_end)))
+            return
         self.require(slots, ACTIVE, what)
         end = self.flags(is_end, n, "is_end", what)
         flat, offsets, digests = self._tokens(tokens, n, what)
@@ -431,6 +438,25 @@ class BatchCalls:
             except TypeError as e:
                 raise TypeError(f"{what}: scopes[{i}]: {e}") from None
         return out
+
+
+def _per_cache(method):
+    """A cache's public method without its call guard (the batched call holds it)."""
+    return method.__func__.__wrapped__
+
+
+def _one_each(*columns) -> bool:
+    return all(c is None or (type(c) in (list, tuple) or isinstance(c, np.ndarray)) and len(c) == 1 for c in columns)
+
+
+def _as_entry(what: str, call):
+    """``call()``, its errors naming the batch's only entry."""
+    try:
+        return call()
+    except BusyError:
+        raise
+    except (LogicError, ValueError, TypeError) as e:
+        raise type(e)(f"{what}: caches[0]: {e}") from e
 
 
 def _one_scope(scopes) -> bool:
