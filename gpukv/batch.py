@@ -5,7 +5,9 @@ step's tokens, a commit of what was computed, a close of what finished).
 ``BatchCalls`` does each of these for a whole list of caches as one launch
 of the sequence kernel over the manager's ``CachePool``: every check is an
 array operation over the batch, the kernel's input goes over in one piece
-per call, and the caches' scalars come back in one transfer.
+per call, and the caches' scalars come back in one transfer. A resize or a
+commit of a single cache (a scheduler admitting one request at a time) is
+the per-cache call itself, which checks one cache faster than arrays do.
 
 The result of a batched call equals issuing the per-cache calls one by one in
 the order given: the kernel runs the same per-cache code on each cache in
