@@ -14,6 +14,11 @@ the order given: the kernel runs the same per-cache code on each cache in
 turn. Input that is wrong for any entry (a cache twice, a closed or foreign
 cache, lengths that disagree, a bad token) is refused with an error naming
 the entry, before anything changes.
+
+It is longer than most modules because it is one public surface, the
+batched half of ``KVCache``'s calls: each call is its checks over the batch
+and one launch, and the checks are what the per-cache methods check, per
+entry.
 """
 
 from __future__ import annotations
