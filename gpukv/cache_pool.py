@@ -232,13 +232,14 @@ class CachePool:
             rows = max(64, 2 * (kept + extra))
         xp = self.backend.xp
         L, W, T = self.L, self.width, self.T
+        # Left unwritten: rows past the top are filled when a segment takes them.
         fresh = SeqPool(
-            pages=xp.full((rows, L), NULL, dtype=np.int64),
-            kinds=xp.zeros((rows, L), dtype=np.int64),
-            tree=xp.full(rows, NULL, dtype=np.int64),
-            tokens=xp.zeros(rows * T, dtype=np.int32),
-            priority=xp.full((rows, W), DEFAULT_PRIORITY, dtype=np.int64),
-            path=xp.zeros(rows, dtype=np.int64),
+            pages=xp.empty((rows, L), dtype=np.int64),
+            kinds=xp.empty((rows, L), dtype=np.int64),
+            tree=xp.empty(rows, dtype=np.int64),
+            tokens=xp.empty(rows * T, dtype=np.int32),
+            priority=xp.empty((rows, W), dtype=np.int64),
+            path=xp.empty(rows, dtype=np.int64),
             **{f: getattr(self.arrays, f) for f in SeqPool._fields[6:]},
         )
         base = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
