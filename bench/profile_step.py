@@ -109,14 +109,26 @@ def least_per_call(fn, calls: int = 5000, tries: int = 5) -> float:
 def dispatch_cost(mgr, kv) -> float:
     """Seconds per call of a no-op Numba function taking the sequence kernel's arguments."""
     import numba
+    import numpy as np
 
-    @numba.njit
-    def noop(S, Q, op):
-        return op
+    S = mgr._tables.device
+    pool = getattr(mgr, "_pool", None)
+    if pool is None:  # one cache's arrays per launch
+        @numba.njit
+        def noop(S, Q, op):
+            return op
 
-    S, Q = mgr._tables.device, kv._q
-    noop(S, Q, 0)  # compile
-    return least_per_call(lambda: noop(S, Q, 0))
+        args = (S, kv._q, 0)
+    else:  # the manager's pool, the slots and their input
+        @numba.njit
+        def noop(S, P, items, ops, flat, flat_off, path, path_off):
+            return items[0]
+
+        one = np.zeros(1, dtype=np.int64)
+        args = (S, pool.arrays, one, one, np.zeros(1, dtype=np.int32), np.zeros(2, dtype=np.int64), one,
+                np.zeros(2, dtype=np.int64))
+    noop(*args)  # compile
+    return least_per_call(lambda: noop(*args))
 
 
 def wrapper_cost() -> float:
@@ -136,15 +148,21 @@ def attach_timers(mgr, kvs) -> Timers:
     import gpukv.cache
 
     timers = Timers()
-    for kv in kvs:
-        timers.attach(kv, "_run", LAUNCH)
-    timers.attach(mgr._evictor, "prepare", "evictor victim pass")
-    timers.attach(mgr._tree, "after_kernel", "after each launch (page copies, change log)")
+    pool = getattr(mgr, "_pool", None)
+    if pool is not None:  # one kernel for every cache of the manager
+        timers.attach(pool, "run", LAUNCH)
+    else:
+        for kv in kvs:
+            timers.attach(kv, "_run", LAUNCH)
+    timers.attach(mgr._launcher.evictor, "prepare", "evictor victim pass")
+    timers.attach(mgr._launcher, "settle", "after each launch (page copies, change log)")
     timers.attach(mgr._tables, "ensure_free_blocks", "table capacity checks")
     timers.attach(mgr._tables, "ensure_log_tokens", "table capacity checks")
     timers.attach(mgr._backend, "to_host", "host/device transfers")
     timers.attach(mgr._backend, "to_device", "host/device transfers")
     timers.attach(gpukv.cache, "token_array", "token conversion (token_array)")
+    if hasattr(gpukv, "batch"):
+        timers.attach(gpukv.batch, "flatten", "token conversion (token_array)")
     return timers
 
 
@@ -153,21 +171,22 @@ def profile(pool: str, B: int, steps: int, repeats: int, top: int, out=sys.stdou
     w.prepare(range(B))
     order = list(range(B))
     d, handles, _, facts = sb.start_running("gpukv", w, order, pool, (2 * repeats + 1) * steps + 1, max(B, 256))
-    if not isinstance(d, sb.GpukvPerCache) or d.calls != "per-cache":
-        raise SystemExit("profile_step.py profiles the per-cache calls: run with GPUKV_BENCH_STEP_CALLS=per-cache")
+    if not isinstance(d, sb.GpukvPerCache):
+        raise SystemExit("profile_step.py profiles gpukv")
     batch = d.running(handles)
+    kvs = batch["kvs"] if isinstance(batch, dict) else batch
     mgr = d.mgr
     seq_steps = B * steps
     run_steps(d, batch, w, B, 0, 1)  # touch every path once
     plain = float("inf")
 
     per_wrap = wrapper_cost()
-    per_launch_dispatch = dispatch_cost(mgr, batch[0])
+    per_launch_dispatch = dispatch_cost(mgr, kvs[0])
     best = None
     for r in range(repeats):  # plain and timed passes alternate; the least disturbed of each counts
         first = 1 + 2 * r * steps
         plain = min(plain, run_steps(d, batch, w, B, first, steps) / seq_steps)
-        timers = attach_timers(mgr, batch)
+        timers = attach_timers(mgr, kvs)
         try:
             timed = run_steps(d, batch, w, B, first + steps, steps) / seq_steps
         finally:
@@ -192,7 +211,7 @@ def profile(pool: str, B: int, steps: int, repeats: int, top: int, out=sys.stdou
     free_after = d.free_pages()
     d.finish(batch)
 
-    print(f"\n### gpukv decode, B={B}, {pool} pool ({facts['pages']:,} pages), {steps} steps\n", file=out)
+    print(f"\n### gpukv decode ({d.calls} calls), B={B}, {pool} pool ({facts['pages']:,} pages), {steps} steps\n", file=out)
     print(f"plain: {us(plain)} µs per running sequence per step; with the timers: {us(timed)} µs; "
           f"{n_launch / seq_steps:.3g} kernel launches and {timers.calls['evictor victim pass'] / seq_steps:.3g} "
           f"evictor passes per sequence step; a launch's dispatch alone {us(per_launch_dispatch)} µs.\n", file=out)

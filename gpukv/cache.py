@@ -13,6 +13,7 @@ and splitting the class would split that surface, not simplify it.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,14 +26,11 @@ from .kernels.seq import (
     Q_COMMIT_STATE,
     Q_COMMITTED,
     Q_HISTORY,
-    Q_NEVER_RESUMED,
     Q_NUM_BLOCKS,
     Q_RESULT,
     Q_SCOPE_ID,
-    Q_SCOPE_KEY,
     Q_SSM_PAGE,
     Q_STATUS,
-    Q_WIDTH,
     SEQ_CLOSE,
     SEQ_COMMIT,
     SEQ_RESIZE,
@@ -43,8 +41,6 @@ from .kernels.seq import (
     SCRATCH,
     SUSPENDED,
     USER_STOP,
-    SeqTables,
-    build_seq_kernel,
 )
 from .core.config import DEFAULT_PRIORITY, check_priority
 from .core.kinds import NO_DROP, has_window, is_checkpoint, planned_drop_start
@@ -56,9 +52,10 @@ from .core.layout import (
     SLOT_PAGE,
     slot_row,
 )
+from .cache_pool import FIRST_BLOCKS, CachePool
 from .launcher import BusyError, Launcher, LogicError, serialized
 from .matching import Matcher
-from .tables import Tables, scratch_width as _scratch_width
+from .tables import Tables, scratch_width
 from .tokens import ValidTokens, token_array
 from .tree import BlockTree
 
@@ -75,6 +72,7 @@ class CacheContext:
     matcher: Matcher
     launcher: Launcher
     open_caches: set  # the manager's open caches; a cache leaves it when CLOSED
+    pool: CachePool  # every cache's sequence state
 
 
 class KVCacheStatus(enum.Enum):
@@ -89,9 +87,30 @@ class KVCache:
     Created by ``KVCacheManager.create_kv_cache``; starts SUSPENDED holding the
     reused pages. ``num_committed_tokens <= history_length <= capacity``."""
 
-    def __init__(self, ctx: CacheContext, scope, priority_callback=None):
+    def __init__(self, ctx: CacheContext, scope, priority_callback=None, *, slot=None):
         if priority_callback is not None and not callable(priority_callback):
             raise TypeError(f"priority_callback must be callable(ordinal, life_cycle_id) -> int, got {priority_callback!r}")
+        tree = ctx.tree
+        if slot is None:
+            sid = tree.scope_id(scope, create=True)
+            slot = int(ctx.pool.allocate(
+                1, [sid], [tree.scope_key(sid)], digest_to_int64x4(tree.scope_digest(sid)), [FIRST_BLOCKS]
+            )[0])
+        else:
+            sid = int(ctx.pool.host_scalars[slot, Q_SCOPE_ID])
+        self._scope = tree.scope_of(sid)  # kept: a closed cache's scope id may be reclaimed
+        self._bind(ctx, slot, priority_callback)
+
+    @classmethod
+    def _adopt(cls, ctx: CacheContext, slot: int, priority_callback) -> "KVCache":
+        """The cache of a slot the batched constructor set up (scope included)."""
+        kv = cls.__new__(cls)
+        kv._scope = ctx.tree.scope_of(int(ctx.pool.host_scalars[slot, Q_SCOPE_ID]))
+        kv._bind(ctx, slot, priority_callback)
+        return kv
+
+    def _bind(self, ctx: CacheContext, slot: int, priority_callback):
+        """Everything but the scope: shared with the batched constructor."""
         self._mgr = ctx.manager
         self._config = ctx.config
         self._tables = ctx.tables
@@ -99,39 +118,39 @@ class KVCache:
         self._matcher = ctx.matcher
         self._launcher = ctx.launcher
         self._open_caches = ctx.open_caches
+        self._pool = ctx.pool
+        self._slot = slot
+        # The host copy of the cache's scalars, refreshed after every launch: a
+        # row of the pool's, re-pointed by the pool when that grows.
+        self._scalars = ctx.pool.host_scalars[slot]
+        ctx.pool.caches[slot] = self
+        self._slot_array = np.array([slot], dtype=np.int64)
+        self._views = None  # (pool generation, SeqTables views)
+        self._serial = int(ctx.pool.serial[slot])
         self._priority_callback = priority_callback
-        self._priorities_known = 0  # ordinals whose page priorities are in the device table
+        if priority_callback is not None:
+            ctx.pool.priorities_known[slot] = 0
         self._backend = ctx.tables.backend
-        tree = ctx.tree
-        sid = tree.scope_id(scope, create=True)
-        self._scope = tree.scope_of(sid)  # kept: a closed cache's scope id may be reclaimed
         self._T = ctx.config.tokens_per_block
-        L = len(ctx.config.life_cycles)
-        self._num_life_cycles = L
-        xp = self._backend.xp
-        blocks = 4
-        scalars = np.zeros(Q_WIDTH, dtype=np.int64)
-        scalars[Q_SSM_PAGE] = NULL
-        scalars[Q_NEVER_RESUMED] = 1
-        scalars[Q_SCOPE_ID] = sid
-        scalars[Q_SCOPE_KEY] = tree.scope_key(sid)
-        self._q = SeqTables(
-            pages=xp.full((blocks, L), NULL, dtype=np.int64),
-            kinds=xp.zeros((blocks, L), dtype=np.int64),
-            tree=xp.full(blocks, NULL, dtype=np.int64),
-            tokens=xp.zeros(blocks * self._T, dtype=np.int32),
-            scalars=self._backend.to_device(scalars),
-            priority=xp.full((blocks, max(L, 1)), DEFAULT_PRIORITY, dtype=np.int64),
-            path=xp.zeros(blocks, dtype=np.int64),
-            args=xp.zeros(4, dtype=np.int64),
-            out=xp.zeros(4, dtype=np.int64),
-            counts=xp.zeros(max(L, 1), dtype=np.int64),
-            scope_digest=self._backend.to_device(digest_to_int64x4(tree.scope_digest(sid))),
-            scratch=xp.full((max(L, 1), _scratch_width(ctx.config)), NULL, dtype=np.int64),
-            scratch_count=xp.zeros(max(L, 1), dtype=np.int64),
-        )
-        self._run = build_seq_kernel(self._backend.target)
-        self._scalars = scalars  # host copy, refreshed after every launch
+        self._num_life_cycles = len(ctx.config.life_cycles)
+        weakref.finalize(self, ctx.pool.release, slot)
+
+    @property
+    def _q(self):
+        """This cache's SeqTables: views of its rows of the manager's pool."""
+        v = self._views
+        pool = self._pool
+        if v is None or v[0] != pool.gen:
+            v = self._views = (pool.gen, pool.view(self._slot))
+        return v[1]
+
+    @property
+    def _priorities_known(self) -> int:
+        """Ordinals whose page priorities are in the device table."""
+        return int(self._pool.priorities_known[self._slot])
+
+    def _set_priorities_known(self, n: int):
+        self._pool.priorities_known[self._slot] = n
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -246,7 +265,7 @@ class KVCache:
         self._reserve(blocks)
         self._fill_priorities(blocks)
         new = max(0, blocks - int(self._scalars[Q_NUM_BLOCKS]))
-        return self._launch(SEQ_RESIZE, cap, hist, need=new + _scratch_width(self._config) + 1)
+        return self._launch(SEQ_RESIZE, cap, hist, need=new + scratch_width(self._config) + 1)
 
     @serialized("kv.commit()")
     def commit(self, tokens, is_end: bool = False):
@@ -275,12 +294,11 @@ class KVCache:
             )
         if int(arr.min()) < 0:
             arr = token_array(tokens, tables.intern_digest)
-        self._q.tokens[n0:n1] = self._backend.to_device(arr)
         blocks = -(-n1 // self._T)
         self._tables.ensure_free_blocks(blocks + 2)
         # New blocks, a re-attached chain, and a rebase announcing each life cycle.
         self._tables.ensure_log_tokens((self._num_life_cycles + 2) * blocks + 2)
-        self._launch(SEQ_COMMIT, n0, arr.size, int(bool(is_end)), need=2)
+        self._launch(SEQ_COMMIT, n0, arr.size, int(bool(is_end)), need=2, tokens=arr)
 
     @serialized("kv.stop_committing()")
     def stop_committing(self):
@@ -343,9 +361,7 @@ class KVCache:
     # -- plumbing ---------------------------------------------------------------------------
     def _setup_reuse(self, tokens: np.ndarray, num_tokens: int, blocks: np.ndarray):
         self._reserve(len(blocks))
-        self._q.path[: len(blocks)] = self._backend.to_device(blocks)
-        self._q.tokens[:num_tokens] = self._backend.to_device(tokens[:num_tokens])
-        self._launch(SEQ_SETUP_REUSE, num_tokens, len(blocks))
+        self._launch(SEQ_SETUP_REUSE, num_tokens, len(blocks), tokens=tokens[:num_tokens], path=blocks)
 
     def _pools_can_hold(self, blocks: int, history: int) -> bool:
         """False when some life cycle would need more new pages for ``blocks``
@@ -369,25 +385,9 @@ class KVCache:
         return True
 
     def _reserve(self, blocks: int):
-        """Grow the per-sequence arrays to hold ``blocks`` blocks."""
-        have = self._q.tree.shape[0]
-        if blocks <= have:
-            return
-        new = max(blocks, 2 * have)
-        xp = self._backend.xp
-        q = self._q
-
-        def grow(a, fill):
-            b = xp.full((new,) + a.shape[1:], fill, dtype=a.dtype)
-            b[:have] = a
-            return b
-
-        tokens = xp.zeros(new * self._T, dtype=np.int32)
-        tokens[: q.tokens.shape[0]] = q.tokens
-        self._q = q._replace(
-            pages=grow(q.pages, NULL), kinds=grow(q.kinds, 0), tree=grow(q.tree, NULL), tokens=tokens,
-            path=grow(q.path, 0), priority=grow(q.priority, DEFAULT_PRIORITY),
-        )
+        """Room for ``blocks`` blocks in this cache's segment of the pool."""
+        if blocks > self._pool.seg[self._slot, 1]:
+            self._pool.reserve(self._slot_array, np.array([blocks], dtype=np.int64))
 
     def _fill_priorities(self, blocks: int):
         """Page priorities for ordinals up to ``blocks`` from the callback, asked
@@ -409,25 +409,28 @@ class KVCache:
                     raise ValueError(f"priority_callback({o}, {lc}) raised {type(e).__name__}: {e}") from e
                 rows[i, lc] = check_priority(v, f"priority_callback({o}, {lc})")
         self._q.priority[self._priorities_known:blocks] = self._backend.to_device(rows)
-        self._priorities_known = blocks
+        self._set_priorities_known(blocks)
 
-    def _launch(self, op, *args, need: int = 0) -> bool:
-        """One launch of the sequence kernel; ``need`` bounds the GPU pages it
-        allocates per life cycle (so eviction victims are listed beforehand)."""
+    def _launch(self, op, *args, need: int = 0, tokens=None, path=None) -> bool:
+        """One launch of the sequence kernel for this cache alone (a batch of
+        one); ``need`` bounds the GPU pages it allocates per life cycle (so
+        eviction victims are listed beforehand). ``tokens`` and ``path`` are
+        the kernel's input copied into the cache's rows (commit, reuse setup)."""
+        pool = self._pool
+        slot = self._slot
         a = np.zeros(4, dtype=np.int64)
         a[: len(args)] = args
-        self._q.args[:] = self._backend.to_device(a)
+        pool.arrays.args[slot] = self._backend.to_device(a) if pool._on_gpu else a
         # Every block this cache may touch, the pages it may allocate, scratch.
-        self._tables.ensure_log(self._q.tree.shape[0] + need + self._q.scratch.shape[1] + 8)
-        self._launcher.launch(
-            self._run, self._q, op, need=[need] * self._num_life_cycles if need else None, results=self._after_launch
-        )
+        self._tables.ensure_log(int(pool.seg[slot, 1]) + need + pool.scratch_width + 8)
+        pool.launch_one(self._launcher, slot, op, tokens, path,
+                        need=[need] * self._num_life_cycles if need else None, results=self._after_launch)
         return bool(self._scalars[Q_RESULT])
 
     def _after_launch(self):
         """The host copy of the cache's scalars, read back after each launch
         (again if the aftermath is resumed); a closed cache leaves the open set."""
-        self._scalars = self._backend.to_host(self._q.scalars).copy()
+        self._pool.refresh(self._slot_array)
         if int(self._scalars[Q_STATUS]) == CLOSED:
             self._open_caches.discard(self)
 

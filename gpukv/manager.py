@@ -15,6 +15,8 @@ from . import kernel_cache
 from .arena import TokenArena, TokenSequence
 from .core.backend import get_backend, quiet_simulator
 from .cache import CacheContext, KVCache, KVCacheStatus, LogicError
+from .batch import BatchCalls
+from .cache_pool import CachePool
 from .core.config import CacheConfig
 from .core.kinds import has_window
 from .evict import Evictor
@@ -82,6 +84,7 @@ class KVCacheManager:
         self._tree = BlockTree(self._tables, self._launcher)
         self._arena = TokenArena(self._backend, config.tokens_per_block, self._tables.intern_digest)
         self._matcher = Matcher(self._tables, self._tree, self._arena, config, self._launcher)
+        self._pool = CachePool(config, self._backend)
         self._open_caches: set[KVCache] = set()
         self._caches = weakref.WeakSet()  # every cache still referenced, closed ones too
         # What keeps a digest id or a scope id alive besides the tree itself.
@@ -89,9 +92,10 @@ class KVCacheManager:
         self._tree.scopes_in_use = self._scopes_in_use
         self._cache_context = CacheContext(
             manager=self, config=config, tables=self._tables, tree=self._tree, matcher=self._matcher,
-            launcher=self._launcher, open_caches=self._open_caches,
+            launcher=self._launcher, open_caches=self._open_caches, pool=self._pool,
         )
         self._stats = ReuseStats()
+        self._batch = BatchCalls(self._cache_context, lambda: self._stats)
         self._eviction_seen = np.zeros(3, dtype=np.int64)
         kernel_cache.announce(self._backend.target)  # once per process: kernels a first call would compile
 
@@ -192,6 +196,46 @@ class KVCacheManager:
             except BaseException:
                 pass  # the first exception is the one to report
             raise
+
+    # -- the engine step: many caches per call ---------------------------------------------
+    @serialized("mgr.create_kv_caches()")
+    def create_kv_caches(self, requests, scopes=None, priority_callbacks=None) -> list:
+        """``[create_kv_cache(r, scope, cb) for ...]`` in two launches: one match
+        for all requests (as ``match_batch``), then one holding every cache's
+        reused pages. ``requests``: token sequences or registered
+        ``TokenSequence``s; ``scopes``: None, one ``ReuseScope`` or one per
+        request; ``priority_callbacks``: None or one (callable or None) per
+        request. The caches are SUSPENDED: ``resume_batch`` next."""
+        return self._batch.create(requests, scopes, priority_callbacks)
+
+    @serialized("mgr.resume_batch()")
+    def resume_batch(self, caches) -> np.ndarray:
+        """``kv.resume()`` for each SUSPENDED cache, in order, in one launch:
+        one bool per cache (False: refused, that cache unchanged)."""
+        return self._batch.resume(caches)
+
+    @serialized("mgr.resize_batch()")
+    def resize_batch(self, caches, capacities, history_lengths=None) -> np.ndarray:
+        """``kv.resize(capacities[i], history_lengths[i])`` for each ACTIVE
+        cache, in order, in one launch: one bool per cache (False: refused,
+        that cache unchanged, the rest proceed). ``history_lengths`` None
+        keeps each cache's history."""
+        return self._batch.resize(caches, capacities, history_lengths)
+
+    @serialized("mgr.commit_batch()")
+    def commit_batch(self, caches, tokens, is_end=False) -> None:
+        """``kv.commit(tokens[i], is_end[i])`` for each ACTIVE cache, in order,
+        in one launch. ``tokens``: one token sequence per cache, or a pair
+        ``(flat_tokens, offsets)`` with offsets of length len(caches) + 1
+        (device arrays accepted on ``cuda``); ``is_end``: a bool or one per cache."""
+        self._batch.commit(caches, tokens, is_end)
+
+    @serialized("mgr.close_batch()")
+    def close_batch(self, caches, evict_first=False) -> None:
+        """``kv.close(evict_first)`` for each cache, in order, in one launch
+        (closed ones are skipped, as closing twice is a no-op); ``evict_first``:
+        a bool or one per cache."""
+        self._batch.close(caches, evict_first)
 
     def _digest_references(self):
         """Token arrays that may hold interned digest ids: the arena's, and the

@@ -1,4 +1,4 @@
-"""The serial sequence kernel: one ``KVCache`` call per launch (docs/semantics.md §2.5-§2.10).
+"""The serial sequence kernel: a batch of ``KVCache`` calls per launch (docs/semantics.md §2.5-§2.10).
 
 A ``KVCache`` keeps its state in small device arrays (``SeqTables``): per
 ordinal and life cycle the page it refers to and how (held or locked), per
@@ -111,21 +111,91 @@ def seq_step(S, Q, op):
         close(S, Q, Q.args[CLOSE_EVICT_FIRST], out)
 
 
+SeqPool = namedtuple(
+    "SeqPool",
+    [
+        # Every cache of a manager has a slot (its per-cache rows) and a
+        # segment of block rows, ``seg[slot] = (base, blocks)``: its SeqTables
+        # are these arrays' rows ``[base, base + blocks)`` and row ``slot``.
+        "pages",  # int64 [pool blocks, L]
+        "kinds",  # int64 [pool blocks, L]
+        "tree",  # int64 [pool blocks]
+        "tokens",  # int32 [pool blocks * T]
+        "priority",  # int64 [pool blocks, L]
+        "path",  # int64 [pool blocks]
+        "scalars",  # int64 [slots, Q_WIDTH]
+        "args",  # int64 [slots, SEQ_ARGS_WIDTH]
+        "out",  # int64 [slots, TREE_OUT.width]
+        "counts",  # int64 [slots, L]
+        "scope_digest",  # int64 [slots, 4]
+        "scratch",  # int64 [slots, L, k]
+        "scratch_count",  # int64 [slots, L]
+        "seg",  # int64 [slots, 2]: base row and block rows of the slot's segment
+    ],
+)
+
+
+@helper
+def forget_eviction_counts(S):
+    """What the host's pass counted before the launch stops being true once
+    a cache of the batch has allocated or released: later all-or-nothing
+    checks count again (``available`` scans), as a launch of their own would
+    find them counted afresh. A held page skipped for want of host room is
+    tried again, as a new launch would."""
+    for pool in range(S.victim_total.shape[0]):
+        if S.victim_total[pool] >= 0:
+            S.victim_total[pool] = -1
+    for lc in range(S.no_host_room.shape[0]):
+        S.no_host_room[lc] = 0
+
+
+# The work list of one launch (``work``: int64 [n + 1, BATCH_WIDTH]): row i
+# names item i's slot and op, and where its input starts in the flat token
+# and path arrays; row n only ends the last item's input.
+BATCH_SLOT = 0
+BATCH_OP = 1
+BATCH_TOKENS = 2
+BATCH_PATH = 3
+BATCH_WIDTH = 4
+
+
 @helper(inline=False)
-def seq_op(S, Q, op):
+def seq_batch(S, P, work, tokens, path):
+    """The calls ``work[i, BATCH_OP]`` on the caches in slots
+    ``work[i, BATCH_SLOT]``, in order, as one launch. Item ``i`` first gets
+    its input copied in: tokens ``tokens[work[i, BATCH_TOKENS]:work[i + 1,
+    BATCH_TOKENS]]`` (a commit's at its first position, reuse setup's from
+    0) and matched blocks from ``path`` likewise."""
+    T = S.tokens.shape[1]
     begin_launch(S)
-    seq_step(S, Q, op)
+    for i in range(work.shape[0] - 1):
+        if i > 0:
+            forget_eviction_counts(S)
+        # Slot s's SeqTables: views of its rows of the pool, the arrays the
+        # single-cache code was written for.
+        s = work[i, BATCH_SLOT]
+        a = P.seg[s, 0]
+        b = a + P.seg[s, 1]
+        Q = SeqTables(
+            P.pages[a:b], P.kinds[a:b], P.tree[a:b], P.tokens[a * T:b * T], P.scalars[s], P.priority[a:b],
+            P.path[a:b], P.args[s], P.out[s], P.counts[s], P.scope_digest[s], P.scratch[s], P.scratch_count[s],
+        )
+        op = work[i, BATCH_OP]
+        at = Q.args[COMMIT_FIRST] if op == SEQ_COMMIT else 0
+        t0 = work[i, BATCH_TOKENS]
+        for j in range(work[i + 1, BATCH_TOKENS] - t0):
+            Q.tokens[at + j] = tokens[t0 + j]
+        p0 = work[i, BATCH_PATH]
+        for j in range(work[i + 1, BATCH_PATH] - p0):
+            Q.path[j] = path[p0 + j]
+        seq_step(S, Q, op)
     end_launch(S)
-
-
-def build_seq(target: str):
-    """The sequence kernel's body, ``seq_op(S, Q, op)``, compiled for ``target``."""
-    return link(target).seq_op
 
 
 @functools.lru_cache(maxsize=None)
 def build_seq_kernel(target: str):
-    """``run(S, Q, op)``: one sequence operation, serially."""
+    """``run(S, P, work, tokens, path)``: a batch of sequence calls, serially,
+    in one launch (see ``seq_batch``)."""
     k = link(target)
     if target == "cpu":
         return cpu_kernel(k.kernel(_run_cpu))
@@ -134,17 +204,17 @@ def build_seq_kernel(target: str):
 
     kernel = cuda.jit(k.kernel(_run_cuda, cuda=cuda))
 
-    def run(S, Q, op):
-        kernel[1, 1, launch_stream()](S, Q, op)
+    def run(S, P, work, tokens, path):
+        kernel[1, 1, launch_stream()](S, P, work, tokens, path)
 
     return run
 
 
 # Kernel entry points: module level so Numba's disk cache hits (link.py).
-def _run_cpu(S, Q, op):
-    seq_op(S, Q, op)
+def _run_cpu(S, P, work, tokens, path):
+    seq_batch(S, P, work, tokens, path)
 
 
-def _run_cuda(S, Q, op):
+def _run_cuda(S, P, work, tokens, path):
     if cuda.grid(1) == 0:  # noqa: F821 (bound by Linked.kernel)
-        seq_op(S, Q, op)
+        seq_batch(S, P, work, tokens, path)

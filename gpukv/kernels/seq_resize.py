@@ -58,11 +58,13 @@ def unlock_stale(S, Q, new_h, release_now):
     """SWA blocks that become stale at ``new_h`` lose their lock: kept as a
     holder only while they may still be committed (uncommitted, commits
     allowed, not commit_min_snapshot); otherwise released (when
-    ``release_now``) or, on the resize path, released by ``resize`` itself."""
+    ``release_now``) or, on the resize path, released by ``resize`` itself;
+    returns how many it left pending for that."""
     L = S.lc_kind.shape[0]
     old_h = Q.scalars[Q_HISTORY]
+    pending = 0
     if new_h == old_h:
-        return
+        return pending
     for lc in range(L):
         if not has_window(S.lc_kind[lc]):
             continue
@@ -82,6 +84,8 @@ def unlock_stale(S, Q, new_h, release_now):
                 drop_entry(S, Q, o, lc)
             else:
                 Q.kinds[o, lc] = -Q.kinds[o, lc]  # pending: see release_pending
+                pending += 1
+    return pending
 
 
 @helper(inline=False)
@@ -196,12 +200,13 @@ def resize(S, Q, cap, h):
                 return
             Q.scratch[lc, Q.scratch_count[lc]] = p
             Q.scratch_count[lc] += 1
-    unlock_stale(S, Q, h, False)
+    pending = unlock_stale(S, Q, h, False)
     o = old_nb
     while o > new_nb:
         o -= 1
         drop_block(S, Q, o)
-    release_pending(S, Q, min(old_nb, new_nb))
+    if pending:  # else a walk over every block for nothing (each decode commit raises the history)
+        release_pending(S, Q, min(old_nb, new_nb))
     Q.scalars[Q_NUM_BLOCKS] = new_nb
     Q.scalars[Q_CAPACITY] = cap
     Q.scalars[Q_HISTORY] = h

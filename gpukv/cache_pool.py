@@ -1,0 +1,321 @@
+"""``CachePool``: the sequence state of every cache of one manager, in one set of device arrays.
+
+A cache owns a *slot* (its row of scalars, arguments and scratch) and a
+*segment* of block rows ``[base, base + blocks)`` in the block-indexed arrays
+(pages, kinds, tree rows, tokens, priorities, the matched path). The sequence
+kernel (``kernels/seq.py``) takes the whole pool and a list of slots, and
+builds each cache's ``SeqTables`` in-kernel as views of its rows, so one
+launch serves a whole batch of caches and the per-cache kernel code is the
+same for a batch of one.
+
+A segment too small for a resize moves to the end of the pool with twice the
+room (amortised, like a growing array); when the end is reached, the live
+segments are packed to the front, in a bigger pool when they need it. Moves
+change the arrays, so a cache's views are rebuilt when the pool's generation
+changed. A slot is given back when its cache is garbage collected (a closed
+cache still answers its committed tokens until then).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import numpy as np
+
+from .core.config import DEFAULT_PRIORITY
+from .core.layout import NULL, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_WIDTH, SEQ_ARGS_WIDTH, TREE_OUT
+from .kernels.seq import BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, SeqPool, SeqTables, build_seq_kernel
+from .tables import scratch_width
+
+_SERIALS = itertools.count(1)  # tells every cache of the process apart (identity checks of batched calls)
+NO_CALLBACK = np.iinfo(np.int64).max  # priorities_known of a cache without a priority callback
+FIRST_BLOCKS = 4  # block rows a new cache's segment starts with
+# Block-indexed arrays and the value of a row no cache has written.
+_BLOCK_FILL = {"pages": NULL, "kinds": 0, "tree": NULL, "priority": DEFAULT_PRIORITY, "path": 0}
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])``, vectorised."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    shift = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths)
+    return np.arange(total, dtype=np.int64) + shift
+
+
+class CachePool:
+    def __init__(self, config, backend):
+        self.backend = backend
+        self.T = config.tokens_per_block
+        self.L = len(config.life_cycles)
+        self.width = max(self.L, 1)
+        self.scratch_width = scratch_width(config)
+        self.run = build_seq_kernel(backend.target)
+        self._on_gpu = backend.on_gpu
+        self.gen = 0  # bumped whenever a segment moves or an array is replaced
+        self.top = 0  # the first block row no segment has used since the last packing
+        self.seg = np.zeros((0, 2), dtype=np.int64)  # host copy: (base, blocks) per slot
+        self.used = np.zeros(0, dtype=bool)
+        self.serial = np.zeros(0, dtype=np.int64)  # the serial of the slot's cache, -1 when free
+        # Ordinals whose page priorities the slot's callback gave (NO_CALLBACK: none to ask).
+        self.priorities_known = np.zeros(0, dtype=np.int64)
+        self._free: list[int] = []  # free slots, a stack
+        self.caches = weakref.WeakValueDictionary()  # slot -> its cache (to re-point its scalars)
+        self._released: list[int] = []  # slots of collected caches (appended from finalizers)
+        self.arrays: SeqPool | None = None
+        xp = backend.xp
+        self._work1 = np.zeros((2, BATCH_WIDTH), dtype=np.int64)  # the work list of a per-cache call
+        self._no_tokens = xp.zeros(0, dtype=np.int32)
+        self._no_path = xp.zeros(0, dtype=np.int64)
+        self._grow_slots(16)
+        self._pack(64)
+
+    # -- slots --------------------------------------------------------------------------
+    def allocate(self, n: int, scope_ids, scope_keys, digests, blocks) -> np.ndarray:
+        """``n`` fresh slots, SUSPENDED with nothing committed, in the given
+        scopes (``digests``: [n, 4] int64), each with room for ``blocks`` blocks."""
+        self._take_released()
+        if len(self._free) < n:
+            self._grow_slots(max(2 * self.seg.shape[0], self.seg.shape[0] + n))
+        slots = np.array(self._free[len(self._free) - n:][::-1], dtype=np.int64)
+        del self._free[len(self._free) - n:]
+        self.used[slots] = True
+        self.seg[slots] = 0
+        self.serial[slots] = np.fromiter(itertools.islice(_SERIALS, n), dtype=np.int64, count=n)
+        self.priorities_known[slots] = NO_CALLBACK
+        rows = np.zeros((n, Q_WIDTH), dtype=np.int64)
+        rows[:, Q_SSM_PAGE] = NULL
+        rows[:, Q_NEVER_RESUMED] = 1
+        rows[:, Q_SCOPE_ID] = scope_ids
+        rows[:, Q_SCOPE_KEY] = scope_keys
+        b = self.backend
+        A = self.arrays
+        d = b.to_device(slots)
+        A.scalars[d] = b.to_device(rows)
+        A.args[d] = 0
+        A.out[d] = 0
+        A.counts[d] = 0
+        A.scope_digest[d] = b.to_device(np.asarray(digests, dtype=np.int64).reshape(n, 4))
+        A.scratch[d] = NULL
+        A.scratch_count[d] = 0
+        if b.on_gpu:  # elsewhere host_scalars is the device array itself
+            self.host_scalars[slots] = rows
+        self._move(slots, np.maximum(np.asarray(blocks, dtype=np.int64), FIRST_BLOCKS))
+        return slots
+
+    def release(self, slot: int) -> None:
+        """The cache of ``slot`` is gone (a finalizer: only noted here, taken
+        back at the next allocation)."""
+        self._released.append(slot)
+
+    def _take_released(self):
+        while self._released:
+            s = self._released.pop()
+            self.used[s] = False
+            self.seg[s] = 0
+            self.serial[s] = -1
+            self._free.append(s)
+
+    def _grow_slots(self, n: int):
+        old = self.seg.shape[0]
+        b = self.backend
+        xp = b.xp
+        W, k = self.width, self.scratch_width
+        fresh = dict(
+            scalars=xp.zeros((n, Q_WIDTH), dtype=np.int64),
+            args=xp.zeros((n, SEQ_ARGS_WIDTH), dtype=np.int64),
+            out=xp.zeros((n, max(TREE_OUT.width, 4)), dtype=np.int64),
+            counts=xp.zeros((n, W), dtype=np.int64),
+            scope_digest=xp.zeros((n, 4), dtype=np.int64),
+            scratch=xp.full((n, W, k), NULL, dtype=np.int64),
+            scratch_count=xp.zeros((n, W), dtype=np.int64),
+        )
+        if self.arrays is not None:
+            for name, a in fresh.items():
+                a[:old] = getattr(self.arrays, name)
+        seg = np.zeros((n, 2), dtype=np.int64)
+        seg[:old] = self.seg
+        used = np.zeros(n, dtype=bool)
+        used[:old] = self.used
+        serial = np.full(n, -1, dtype=np.int64)
+        serial[:old] = self.serial
+        known = np.zeros(n, dtype=np.int64)
+        known[:old] = self.priorities_known
+        self.seg, self.used, self.serial, self.priorities_known = seg, used, serial, known
+        self._free[:0] = list(range(n - 1, old - 1, -1))  # lowest slots taken first
+        if self.arrays is None:
+            self.arrays = SeqPool(**{f: None for f in SeqPool._fields})
+        self.arrays = self.arrays._replace(**fresh)
+        host = fresh["scalars"]
+        if b.on_gpu:
+            host = np.zeros((n, Q_WIDTH), dtype=np.int64)
+            if old:
+                host[:old] = self.host_scalars
+        self.host_scalars = host  # the scalars as last read back (the array itself off the GPU)
+        for s, kv in list(self.caches.items()):
+            kv._scalars = host[s]
+        self._sync_seg()
+        self.gen += 1
+
+    # -- segments -----------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.arrays.tree is None else int(self.arrays.tree.shape[0])
+
+    def reserve(self, slots: np.ndarray, blocks: np.ndarray) -> None:
+        """Room for ``blocks[i]`` blocks in the segment of ``slots[i]``."""
+        short = blocks > self.seg[slots, 1]
+        if short.any():
+            grow = slots[short]
+            self._move(grow, np.maximum(blocks[short], 2 * self.seg[grow, 1]))
+
+    def _move(self, slots: np.ndarray, blocks: np.ndarray) -> None:
+        """New segments of ``blocks`` rows for ``slots`` at the end of the
+        pool, their rows so far copied along, the rest as no cache wrote them."""
+        need = int(blocks.sum())
+        if self.top + need > self.num_rows:
+            self._pack(need)
+        old_base, old_len = self.seg[slots, 0], self.seg[slots, 1]
+        top, T = self.top, self.T
+        base = top + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
+        A = self.arrays
+        for name, fill in _BLOCK_FILL.items():  # the new segments are one stretch from the top
+            getattr(A, name)[top:top + need] = fill
+        A.tokens[top * T:(top + need) * T] = 0
+        moved = np.flatnonzero(old_len)
+        if moved.size <= 8:  # the usual case: a resize or two growing one segment each
+            for k in moved.tolist():
+                self._copy_span(A, A, int(old_base[k]), int(base[k]), int(old_len[k]))
+        else:
+            self._copy_rows(A, A, ranges(old_base[moved], old_len[moved]), ranges(base[moved], old_len[moved]))
+        self.seg[slots, 0] = base
+        self.seg[slots, 1] = blocks
+        self.top += need
+        self._sync_seg()
+        self.gen += 1
+
+    def _copy_span(self, src_arrays, dst_arrays, s: int, d: int, n: int):
+        """Block rows ``[s, s + n)`` to ``[d, d + n)``."""
+        T = self.T
+        for name in _BLOCK_FILL:
+            getattr(dst_arrays, name)[d:d + n] = getattr(src_arrays, name)[s:s + n]
+        dst_arrays.tokens[d * T:(d + n) * T] = src_arrays.tokens[s * T:(s + n) * T]
+
+    def _copy_rows(self, src_arrays, dst_arrays, src, dst):
+        """Block rows ``src`` to ``dst`` (index arrays)."""
+        b = self.backend
+        T = self.T
+        s, d = b.to_device(src), b.to_device(dst)
+        for name in _BLOCK_FILL:
+            getattr(dst_arrays, name)[d] = getattr(src_arrays, name)[s]
+        # Tokens as [rows, T] views: one index per block row, not per token.
+        dst_arrays.tokens.reshape(-1, T)[d] = src_arrays.tokens.reshape(-1, T)[s]
+
+    def _pack(self, extra: int) -> None:
+        """Live segments packed to the front (in slot order), with room for
+        ``extra`` more rows after them: in a new pool twice what is needed
+        when the present one is too small."""
+        live = np.flatnonzero(self.used & (self.seg[:, 1] > 0))
+        lengths = self.seg[live, 1]
+        kept = int(lengths.sum())
+        rows = self.num_rows
+        if kept + extra > rows // 2 or rows == 0:
+            rows = max(64, 2 * (kept + extra))
+        xp = self.backend.xp
+        L, W, T = self.L, self.width, self.T
+        # Left unwritten: rows past the top are filled when a segment takes them.
+        fresh = SeqPool(
+            pages=xp.empty((rows, L), dtype=np.int64),
+            kinds=xp.empty((rows, L), dtype=np.int64),
+            tree=xp.empty(rows, dtype=np.int64),
+            tokens=xp.empty(rows * T, dtype=np.int32),
+            priority=xp.empty((rows, W), dtype=np.int64),
+            path=xp.empty(rows, dtype=np.int64),
+            **{f: getattr(self.arrays, f) for f in SeqPool._fields[6:]},
+        )
+        base = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        if kept:
+            self._copy_rows(self.arrays, fresh, ranges(self.seg[live, 0], lengths), ranges(base, lengths))
+        self.seg[live, 0] = base
+        self.arrays = fresh
+        self.top = kept
+        self._sync_seg()
+        self.gen += 1
+
+    def _sync_seg(self):
+        b = self.backend
+        if self.arrays is None:
+            return
+        seg = b.to_device(self.seg) if b.on_gpu else self.seg
+        self.arrays = self.arrays._replace(seg=seg)
+
+    # -- views and launches --------------------------------------------------------------
+    def view(self, slot: int) -> SeqTables:
+        """Slot ``slot``'s SeqTables: views into the pool, good until ``gen`` changes."""
+        a, n = int(self.seg[slot, 0]), int(self.seg[slot, 1])
+        A = self.arrays
+        b = a + n
+        T = self.T
+        return SeqTables(
+            pages=A.pages[a:b], kinds=A.kinds[a:b], tree=A.tree[a:b], tokens=A.tokens[a * T:b * T],
+            scalars=A.scalars[slot], priority=A.priority[a:b], path=A.path[a:b], args=A.args[slot], out=A.out[slot],
+            counts=A.counts[slot], scope_digest=A.scope_digest[slot], scratch=A.scratch[slot],
+            scratch_count=A.scratch_count[slot],
+        )
+
+    def refresh(self, slots) -> None:
+        """The host copy of ``slots``' scalars, in one transfer (nothing to do
+        where the device arrays are host memory)."""
+        if self._on_gpu:
+            b = self.backend
+            self.host_scalars[slots] = b.to_host(self.arrays.scalars[b.to_device(np.asarray(slots))])
+
+    def launch(self, launcher, slots, ops, tokens=None, tokens_off=None, path=None, path_off=None, need=None,
+               results=None) -> None:
+        """One launch of the sequence kernel: call ``ops[i]`` on slot
+        ``slots[i]``, in order, with its input tokens and matched blocks
+        (``tokens[tokens_off[i]:tokens_off[i + 1]]``, likewise ``path``; None:
+        none). ``need`` and ``results`` as ``Launcher.launch`` takes them."""
+        n = len(slots)
+        work = np.zeros((n + 1, BATCH_WIDTH), dtype=np.int64)
+        work[:n, BATCH_SLOT] = slots
+        work[:n, BATCH_OP] = ops
+        if tokens is not None:
+            work[:, BATCH_TOKENS] = self.backend.to_host(tokens_off)
+        if path is not None:
+            work[:, BATCH_PATH] = path_off
+        self._run(launcher, work, tokens, path, need, results)
+
+    def launch_one(self, launcher, slot: int, op: int, tokens=None, path=None, need=None, results=None) -> None:
+        """``launch`` for one cache."""
+        work = self._work1
+        work[0, BATCH_SLOT] = slot
+        work[0, BATCH_OP] = op
+        work[1, BATCH_TOKENS] = 0 if tokens is None else len(tokens)
+        work[1, BATCH_PATH] = 0 if path is None else len(path)
+        self._run(launcher, work, tokens, path, need, results)
+
+    def _run(self, launcher, work, tokens, path, need, results):
+        b = self.backend
+        launcher.launch(
+            self.run, self.arrays, b.to_device(work) if self._on_gpu else work,
+            self._no_tokens if tokens is None else self._as_int32(tokens),
+            self._no_path if path is None else self._as_int64(path),
+            need=need, results=results,
+        )
+
+    def _as_int64(self, a):
+        """On the device, contiguous int64 (the one signature the kernel is compiled for)."""
+        if type(a) is np.ndarray and a.dtype == np.int64 and not self._on_gpu and a.flags.c_contiguous:
+            return a
+        xp = self.backend.xp
+        return xp.ascontiguousarray(xp.asarray(a, dtype=np.int64))
+
+    def _as_int32(self, a):
+        if type(a) is np.ndarray and a.dtype == np.int32 and not self._on_gpu and a.flags.c_contiguous:
+            return a
+        xp = self.backend.xp
+        return xp.ascontiguousarray(xp.asarray(a, dtype=np.int32))

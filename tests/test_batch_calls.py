@@ -1,0 +1,234 @@
+"""The batched engine-step calls (``create_kv_caches``, ``resume_batch``,
+``resize_batch``, ``commit_batch``, ``close_batch``) against the per-cache
+calls issued one by one in the same order.
+
+A random workload admits a few requests at a time, runs chunked prefills and
+decode steps over a random subset of the running caches in a random order,
+and finishes some. Each step runs three ways in lockstep: on the plain-Python
+model (``tests/oracle_kv.py``) with per-cache calls, on a gpukv manager with
+the batched calls, and on a second gpukv manager with the per-cache calls.
+After every step the batched manager must agree with the oracle on
+everything ``test_kvcache_differential.Lockstep.check`` compares, and with
+the per-cache manager exactly (the same page in every slot of every cache,
+the same eviction counts). Small pools add eviction pressure and refusals in
+the middle of a batch; caches share prefixes through a tiny vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gpukv
+
+try:  # tests/ is on sys.path under pytest's default import mode
+    from conftest import GPU_BACKEND
+    from engine import Engine
+    from test_kvcache_differential import CONFIG_IDS, CONFIGS, ORACLE_SCOPES, SCOPES, Lockstep, Turn
+except ImportError:  # pragma: no cover - if tests/ becomes a package
+    from tests.conftest import GPU_BACKEND
+    from tests.engine import Engine
+    from tests.test_kvcache_differential import CONFIG_IDS, CONFIGS, ORACLE_SCOPES, SCOPES, Lockstep, Turn
+
+POOL = 4096
+PRESSURE_POOL = 24
+TIGHT_POOL = 9
+
+
+class BatchLockstep(Lockstep):
+    """``Lockstep``'s oracle and gpukv manager, the gpukv side driven through
+    the batched calls, plus a twin manager driven per cache."""
+
+    def __init__(self, rng, config, pool: int = POOL, backend: str = "cpu"):
+        super().__init__(rng, config, pool)
+        if backend != "cpu":  # the batched side on the CUDA kernels, the twin on cpu
+            self.mgr = gpukv.KVCacheManager(dataclasses.replace(self.mgr.config, backend=backend))
+            self.engine = Engine(self.mgr)
+        self.twin = gpukv.KVCacheManager(dataclasses.replace(self.mgr.config, backend="cpu"))
+        self.twins: dict = {}  # id(turn) -> the twin's cache
+        self.flat_form = False
+
+    # -- the calls, three ways ------------------------------------------------------------
+    def admit(self, k: int) -> list:
+        prompts = []
+        for _ in range(k):
+            scope, prompt = self.new_prompt()
+            lookup = prompt[:-1] if self.rng.random() < 0.5 else prompt
+            prompts.append((scope, prompt, lookup))
+        if self.rng.random() < 0.5:
+            requests = [lookup for _, _, lookup in prompts]
+        else:  # registered sequences, as a scheduler keeps its waiting queue
+            requests = [self.mgr.token_sequence(lookup) for _, _, lookup in prompts]
+        scopes = [SCOPES[s] for s, _, _ in prompts]
+        gs = self.mgr.create_kv_caches(requests, scopes=scopes)
+        turns = []
+        for (scope, prompt, lookup), g in zip(prompts, gs):
+            o = self.o.create_kv_cache(input_tokens=lookup, scope=ORACLE_SCOPES[scope])
+            w = self.twin.create_kv_cache(input_tokens=lookup, scope=SCOPES[scope])
+            assert g.num_committed_tokens == o.num_committed_tokens == w.num_committed_tokens, "reused lengths"
+            t = Turn(o, g, scope, lookup[: o.num_committed_tokens])
+            t.prompt = prompt
+            self.twins[id(t)] = w
+            self.open.append(t)
+            turns.append(t)
+            self.count("reused_tokens", o.num_committed_tokens)
+        self.compare_all()
+        ok = self.mgr.resume_batch([t.g for t in turns])
+        for t, got in zip(turns, ok.tolist()):
+            want = t.o.resume()
+            assert got == want == self.twins[id(t)].resume(), f"resume: batched {got}, oracle {want}"
+        self.close([t for t, good in zip(turns, ok.tolist()) if not good])
+        return [t for t, good in zip(turns, ok.tolist()) if good]
+
+    def resize(self, turns, caps, hists) -> np.ndarray:
+        before = {id(t): self.cache_state(t) for t in turns}
+        got = self.mgr.resize_batch([t.g for t in turns], caps, hists)
+        assert got.dtype == bool and got.shape == (len(turns),)
+        for t, c, h, g in zip(turns, caps, hists, got.tolist()):
+            want = t.o.resize(c, h)
+            assert g == want == self.twins[id(t)].resize(c, h), f"resize({c}, {h}) of {t}: batched {g}, oracle {want}"
+            if not want:
+                self.count("resize_failed")
+                assert self.cache_state(t) == before[id(t)], "a refused resize changed its cache"
+        return got
+
+    def cache_state(self, t):
+        g = t.g
+        return (g.num_committed_tokens, g.history_length, g.capacity, g.status,
+                [tuple(g.page_indices(lc)) for lc in range(self.L)])
+
+    def commit(self, turns, tokens, ends):
+        if self.flat_form:
+            offsets = np.zeros(len(turns) + 1, dtype=np.int64)
+            np.cumsum([len(x) for x in tokens], out=offsets[1:])
+            flat = np.array([v for x in tokens for v in x], dtype=np.int32)
+            self.mgr.commit_batch([t.g for t in turns], (flat, offsets), is_end=ends)
+        else:
+            self.mgr.commit_batch([t.g for t in turns], tokens, is_end=list(ends))
+        for t, x, e in zip(turns, tokens, ends):
+            t.o.commit(x, is_end=e)
+            self.twins[id(t)].commit(x, is_end=e)
+            t.tokens += x
+            t.stopped = t.stopped or e
+
+    def close(self, turns):
+        if not turns:
+            return
+        self.mgr.close_batch([t.g for t in turns])
+        for t in turns:
+            t.o.close()
+            self.twins.pop(id(t)).close()
+            self.open.remove(t)
+            self.history.append((t.scope, list(t.tokens)))
+
+    # -- one step of the engine ---------------------------------------------------------------
+    def engine_step(self):
+        rng = self.rng
+        if len(self.open) < 6 and rng.random() < 0.4:
+            self.admit(rng.randint(1, 3))
+        running = [t for t in self.open if t.g.status.name == "ACTIVE" and not t.stopped]
+        rng.shuffle(running)
+        running = running[: rng.randint(0, len(running))]
+        if running:
+            caps, hists, plans = [], [], []
+            for t in running:
+                pos = len(t.tokens)
+                if pos < len(t.prompt):  # a prefill chunk
+                    end = rng.randint(pos + 1, len(t.prompt))
+                    hist = rng.choice([pos, end]) if self.cms else rng.randint(pos, end)
+                    new = t.prompt[pos:end]
+                else:  # a decode step, with speculative tokens (none with SSM)
+                    spec = 0 if self.has_ssm else rng.randint(0, 2)
+                    end, hist = pos + 1 + spec, pos
+                    new = self.tokens(1 + spec)
+                hist = max(hist, t.g.history_length)
+                caps.append(max(end, hist))
+                hists.append(hist)
+                plans.append(new)
+            ok = self.resize(running, caps, hists)
+            self.compare_all()
+            self.close([t for t, good in zip(running, ok.tolist()) if not good])
+            go = [(t, new) for t, new, good in zip(running, plans, ok.tolist()) if good]
+            batch, tokens, ends = [], [], []
+            for t, new in go:
+                pos = len(t.tokens)
+                self.run(t, t.tokens + new, pos, pos + len(new))
+                if pos + len(new) > len(t.prompt):
+                    new = new[: 1 + rng.randint(0, len(new) - 1)]  # speculative tokens partly accepted
+                if self.cms and t.g.history_length not in (pos, pos + len(new)):
+                    new = new[: t.g.history_length - pos]
+                if not self.cms and rng.random() < 0.1:
+                    new = []  # nothing to commit this step (or only the end)
+                batch.append(t)
+                tokens.append(new)
+                ends.append(rng.random() < 0.08)
+            self.flat_form = rng.random() < 0.5
+            if batch:
+                self.commit(batch, tokens, ends)
+                self.count("commits", len(batch))
+            self.compare_all()
+            rewind = [t for t in batch if t.g.capacity > len(t.tokens) >= t.g.history_length and not t.stopped
+                      and rng.random() < 0.5]
+            if rewind:
+                assert self.resize(rewind, [len(t.tokens) for t in rewind], [t.g.history_length for t in rewind]).all()
+                self.count("rewinds", len(rewind))
+        done = [t for t in self.open if t.stopped or (len(t.tokens) >= len(t.prompt) and rng.random() < 0.2)]
+        rng.shuffle(done)
+        self.close(done)
+        self.compare_all()
+
+    def compare_all(self):
+        self.check()
+        for t in self.open:
+            w = self.twins[id(t)]
+            g = t.g
+            assert (g.num_committed_tokens, g.history_length, g.capacity, g.status) == (
+                w.num_committed_tokens, w.history_length, w.capacity, w.status), f"{t}: the per-cache twin differs"
+            for lc in range(self.L):
+                assert list(g.page_indices(lc)) == list(w.page_indices(lc)), f"{t}: pages of life cycle {lc}"
+        assert self.mgr.get_and_reset_eviction_stats() == self.twin.get_and_reset_eviction_stats()
+
+    def run_steps(self, steps: int):
+        for _ in range(steps):
+            self.engine_step()
+        self.close(list(self.open))
+        self.check()
+        return self.stats
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_batched_calls_equal_the_per_cache_calls(config):
+    stats = BatchLockstep(random.Random(0), config).run_steps(40)
+    assert stats.get("commits", 0) > 20 and stats.get("reused_tokens", 0) > 0, stats
+
+
+@pytest.mark.parametrize("pool", [PRESSURE_POOL, TIGHT_POOL])
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_batched_calls_under_memory_pressure(config, pool):
+    lock = BatchLockstep(random.Random(1), config, pool)
+    stats = lock.run_steps(40)
+    assert lock.o.counters["evicted"] > 0, (lock.o.counters, stats)
+    if pool == TIGHT_POOL and config[0] == "F":
+        assert stats.get("resize_failed", 0) > 0, stats
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(config=st.sampled_from(CONFIGS), pool=st.sampled_from([POOL, PRESSURE_POOL, TIGHT_POOL]),
+       rng=st.randoms(use_true_random=False))
+def test_short_batched_workloads(config, pool, rng):
+    BatchLockstep(rng, config, pool).run_steps(12)
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("pool", [POOL, PRESSURE_POOL])
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[8]], ids=[CONFIG_IDS[0], CONFIG_IDS[8]])
+def test_batched_calls_on_the_cuda_kernels(config, pool):
+    """The same lockstep, the batched side on the CUDA kernels (simulated
+    unless GPUKV_TEST_CUDA=1), at small sizes."""
+    stats = BatchLockstep(random.Random(2), config, pool, backend=GPU_BACKEND).run_steps(10)
+    assert stats.get("commits", 0) > 5, stats
