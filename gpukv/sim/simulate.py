@@ -8,20 +8,23 @@ its KV cache manager, one scheduling step at a time:
    of a conversation arrives only after the previous turn has finished.
 2. **Running requests** (in admission order) get this step's tokens out of a
    token budget: a prefill chunk, or ``decode_chunk`` generated tokens. Pages
-   come a block at a time (``kv.resize`` when the step's tokens pass the
-   capacity), then ``kv.commit`` makes the computed tokens reusable. When
-   ``resize`` returns False (no room, even after eviction), the newest running
-   request is preempted and the resize retried; a request may preempt itself.
+   come a block at a time: one ``resize_batch`` for every request whose step
+   passes its capacity, then ``commit_batch`` makes the computed tokens
+   reusable. Where a resize is refused (no room, even after eviction), the
+   newest running requests are preempted until it fits; a request may preempt
+   itself.
 3. **Admission.** When budget and batch room are left, one ``match_batch``
    call matches the whole waiting queue (this call is what the latency
    figures time). The queue is ordered
-   longest-reusable-prefix first (or kept in arrival order), and requests are
-   admitted while the budget lasts: ``create_kv_cache(input_tokens=...)``
-   holds the reused pages, ``resume()`` activates the cache, and the first
-   chunk is scheduled as in step 2. The first refusal ends admission for the
-   step.
-4. **Finished** requests ``close()`` their cache: their pages stay in the
-   tree, evictable, for later requests to reuse.
+   longest-reusable-prefix first (or kept in arrival order), and the requests
+   the budget reaches are admitted together: ``create_kv_caches`` holds their
+   reused pages, ``resume_batch`` activates the caches, and their first chunks
+   are scheduled as in step 2. The first refusal ends admission for the step.
+4. **Finished** requests leave with one ``close_batch``: their pages stay in
+   the tree, evictable, for later requests to reuse.
+
+Each step thus makes a handful of calls on the manager, each one launch for
+the whole batch, as an engine's scheduler would.
 
 A request computes its prompt and all but the last output token (the last one
 is sampled and never fed back). It looks up all but the last prompt token: the
@@ -412,72 +415,121 @@ class Simulator:
         return min(self.options.decode_chunk, r.compute_len - r.done, budget)
 
     def _grow(self, r: Request, k: int) -> bool:
-        """Pages for the next ``k`` tokens, then commit them. False (nothing
-        changed) when the pools cannot make room."""
-        kv = r.kv
-        n1 = r.done + k
-        t0 = time.perf_counter()
-        # Pages are allocated a block at a time, as engines do: the capacity
-        # grows to the end of the block holding the step's last token, so a
-        # decode step inside a block needs no resize. The history is left
-        # alone: each commit moves it to the committed length (under
-        # full-block commits it stays at the last committed block boundary;
-        # commit_min_snapshot needs history == committed length at a commit).
-        if n1 > kv.capacity and not kv.resize(-(-n1 // self.T) * self.T):
-            self.stats.kv_call_s += time.perf_counter() - t0
-            return False
-        # Commit up to the last block boundary reached; then, per-page only,
-        # the rest when it is an endpoint worth keeping: the end of a prefill
-        # chunk (the prompt's end, a branch point) or of the request. Decode
-        # steps inside a block are not committed one by one: under
-        # commit_min_snapshot each commit's end is a snapshot (page copies),
-        # which no engine takes for every generated token. Both policies thus
-        # checkpoint every block boundary; per-page also the exact endpoints.
-        prefill = r.done < r.prefill_end
-        c0, edge = kv.num_committed_tokens, n1 // self.T * self.T
-        if edge > c0:
-            self._commit(r, c0, edge)
-            c0 = edge
-        if not self.full_blocks and n1 > c0 and (prefill or n1 == r.compute_len):
-            self._commit(r, c0, n1)
-        self.stats.kv_call_s += time.perf_counter() - t0
-        r.done = n1
-        self.stats.computed_tokens += k
-        return True
+        """``_grow_batch`` for one request (resuming a suspended one)."""
+        return bool(self._grow_batch([r], [k])[0])
 
-    def _commit(self, r: Request, c0: int, c1: int):
-        r.kv.commit(r.tokens[c0:c1], is_end=not self.full_blocks and c1 == r.compute_len)
+    def _grow_batch(self, reqs: list, ks: list) -> np.ndarray:
+        """Pages for the next ``ks[i]`` tokens of each request, then commit
+        them: one ``resize_batch`` and at most two ``commit_batch`` calls for
+        the whole list. Where a request's pages are refused, False and nothing
+        changed for it (the others proceed)."""
+        ok = self._resize_batch(reqs, ks)
+        self._commit_batch([r for r, y in zip(reqs, ok) if y], [k for k, y in zip(ks, ok) if y])
+        return ok
+
+    def _resize_batch(self, reqs: list, ks: list) -> np.ndarray:
+        """Pages are allocated a block at a time, as engines do: the capacity
+        grows to the end of the block holding the step's last token, so a
+        decode step inside a block needs no resize. The history is left
+        alone: each commit moves it to the committed length (under
+        full-block commits it stays at the last committed block boundary;
+        commit_min_snapshot needs history == committed length at a commit)."""
+        T = self.T
+        ok = np.ones(len(reqs), dtype=bool)
+        grow = [i for i, (r, k) in enumerate(zip(reqs, ks)) if r.done + k > r.kv.capacity]
+        if grow:
+            t0 = time.perf_counter()
+            ok[grow] = self.mgr.resize_batch(
+                [reqs[i].kv for i in grow], [-(-(reqs[i].done + ks[i]) // T) * T for i in grow]
+            )
+            self.stats.kv_call_s += time.perf_counter() - t0
+        return ok
+
+    def _commit_batch(self, reqs: list, ks: list):
+        """Commit up to the last block boundary reached; then, per-page only,
+        the rest when it is an endpoint worth keeping: the end of a prefill
+        chunk (the prompt's end, a branch point) or of the request. Decode
+        steps inside a block are not committed one by one: under
+        commit_min_snapshot each commit's end is a snapshot (page copies),
+        which no engine takes for every generated token. Both policies thus
+        checkpoint every block boundary; per-page also the exact endpoints."""
+        T = self.T
+        edges, tails = ([], [], []), ([], [], [])  # (caches, tokens, is_end)
+        for r, k in zip(reqs, ks):
+            n1 = r.done + k
+            c0, edge = r.kv.num_committed_tokens, n1 // T * T
+            if edge > c0:
+                self._queue_commit(edges, r, c0, edge)
+                c0 = edge
+            if not self.full_blocks and n1 > c0 and (r.done < r.prefill_end or n1 == r.compute_len):
+                self._queue_commit(tails, r, c0, n1)
+        t0 = time.perf_counter()
+        for caches, tokens, is_end in (edges, tails):
+            if caches:
+                self.mgr.commit_batch(caches, tokens, is_end=is_end)
+        self.stats.kv_call_s += time.perf_counter() - t0
+        for r, k in zip(reqs, ks):
+            r.done += k
+            self.stats.computed_tokens += k
+
+    def _queue_commit(self, batch, r: Request, c0: int, c1: int):
+        caches, tokens, is_end = batch
+        caches.append(r.kv)
+        tokens.append(r.tokens[c0:c1])
+        is_end.append(not self.full_blocks and c1 == r.compute_len)
         self.stats.committed_tokens += c1 - c0
         self.stats.commit_calls += 1
 
     def _run_running(self, budget: int) -> int:
-        for r in list(self.running):
-            if budget <= 0 or r not in self.running:
-                continue  # out of budget, or preempted by a request before it in this loop
+        """This step's tokens for every running request, in admission order,
+        while the budget lasts: one batch of resizes; where one is refused,
+        the newest running requests are preempted (a request may preempt
+        itself) until it fits; then one batch of commits for the rest."""
+        reqs, ks = [], []
+        for r in self.running:
+            if budget <= 0:
+                break
             k = self._step_tokens(r, budget)
-            if k <= 0:
-                continue
-            while not self._grow(r, k):
+            if k > 0:
+                reqs.append(r)
+                ks.append(k)
+                budget -= k
+        ok = self._resize_batch(reqs, ks)
+        for i in np.flatnonzero(~ok):
+            r = reqs[i]
+            while r in self.running:
                 victim = self.running[-1]
                 self._preempt(victim)
-                if victim is r:
+                if victim is not r and self._resize_batch([r], [ks[i]])[0]:
+                    ok[i] = True
                     break
-            else:
-                budget -= k
-                if r.done == r.compute_len:
-                    self._finish(r)
+        running = set(self.running)
+        grown = [i for i in range(len(reqs)) if ok[i] and reqs[i] in running]
+        budget += sum(ks) - sum(ks[i] for i in grown)  # what the preempted did not use
+        self._commit_batch([reqs[i] for i in grown], [ks[i] for i in grown])
+        self._finish_batch([reqs[i] for i in grown if reqs[i].done == reqs[i].compute_len])
         return budget
 
     def _finish(self, r: Request):
-        r.kv.close()
-        r.kv = None
-        r.tokens = None
-        r.finished_ms = self.now + self.options.step_ms
-        self.running.remove(r)
-        self.stats.finished += 1
-        for nxt in self.blocked.pop(r.rid, ()):
-            nxt.arrival_ms = max(nxt.arrival_ms, r.finished_ms)
-            self.released.append(nxt)
+        self._finish_batch([r])
+
+    def _finish_batch(self, reqs: list):
+        """Close the finished requests' caches in one ``close_batch``."""
+        if not reqs:
+            return
+        t0 = time.perf_counter()
+        self.mgr.close_batch([r.kv for r in reqs])
+        self.stats.kv_call_s += time.perf_counter() - t0
+        done = set(reqs)
+        self.running = [r for r in self.running if r not in done]
+        for r in reqs:
+            r.kv = None
+            r.tokens = None
+            r.finished_ms = self.now + self.options.step_ms
+            self.stats.finished += 1
+            for nxt in self.blocked.pop(r.rid, ()):
+                nxt.arrival_ms = max(nxt.arrival_ms, r.finished_ms)
+                self.released.append(nxt)
 
     def _preempt(self, r: Request):
         self.running.remove(r)
@@ -524,19 +576,64 @@ class Simulator:
             order = np.argsort(-reusable, kind="stable")  # ties keep arrival order
         else:
             order = range(len(queue))
-        for i in order:
-            if budget <= 0 or len(self.running) >= self.options.max_running:
+        picked = []
+        room = self.options.max_running - len(self.running)
+        left = budget
+        for i in order:  # the candidates, as far as the budget would take them with their reuse
+            if left <= 0 or len(picked) >= room:
                 break
             r = queue[int(i)]
             if self.min_snapshot:
                 r.checkpoint = int(m.num_tokens_before_pruning[i])
-            k = self._try_admit(r, budget)
-            if k is None:
-                self.refused = r
-                break  # the pools are full: admit nothing more this step
+            picked.append(r)
+            left -= self._step_tokens_from(r, int(reusable[i]), left)
+        return self._admit_batch(picked, budget) or admitted
+
+    def _step_tokens_from(self, r: Request, done: int, budget: int) -> int:
+        """``_step_tokens`` as if ``r`` had computed ``done`` tokens."""
+        done_before, r.done = r.done, done
+        try:
+            return self._step_tokens(r, budget)
+        finally:
+            r.done = done_before
+
+    def _admit_batch(self, picked: list, budget: int) -> bool:
+        """Create the picked requests' caches with their reuse, resume them
+        and compute their first chunks, in batched calls; the first request
+        refused pages ends admission for the step (it and those after it keep
+        nothing). True when any was admitted."""
+        if not picked:
+            return False
+        t0 = time.perf_counter()
+        kvs = self.mgr.create_kv_caches([r.seq for r in picked])
+        ok = self.mgr.resume_batch(kvs)
+        self.stats.kv_call_s += time.perf_counter() - t0
+        n = int(np.argmin(ok)) if not ok.all() else len(picked)
+        reused = [kv.num_committed_tokens for kv in kvs[:n]]
+        ks, done_before = [], []
+        for r, kv, c in zip(picked, kvs, reused):
+            r.kv = kv
+            done_before.append(r.done)
+            r.done = c
+            k = self._step_tokens(r, budget)
+            ks.append(k)
             budget -= k
-            admitted = True
-        return admitted
+        grown = self._resize_batch(picked[:n], ks)
+        if not grown.all():
+            n = int(np.argmin(grown))
+        if n < len(picked):
+            self.refused = picked[n]
+            t0 = time.perf_counter()
+            self.mgr.close_batch(kvs[n:])
+            self.stats.kv_call_s += time.perf_counter() - t0
+            for r, d in itertools.zip_longest(picked[n:], done_before[n:]):
+                r.kv = None
+                if d is not None:
+                    r.done = d
+        self._commit_batch(picked[:n], ks[:n])
+        for r, c in zip(picked[:n], reused):
+            self._admitted(r, c)
+        return n > 0
 
     def _try_resume(self, r: Request, budget: int) -> int | None:
         """Resume a suspended request and compute its next tokens; the tokens
@@ -550,28 +647,6 @@ class Simulator:
         if self._grow(r, k):
             return k
         r.kv.suspend()
-        return None
-
-    def _try_admit(self, r: Request, budget: int) -> int | None:
-        """Create ``r``'s cache with its reuse and compute its first chunk;
-        the tokens computed, or None (and nothing kept) when pages run out."""
-        t0 = time.perf_counter()
-        kv = self.mgr.create_kv_cache(input_tokens=r.tokens[: r.lookup_len()])
-        reused = kv.num_committed_tokens
-        ok = kv.resume()
-        self.stats.kv_call_s += time.perf_counter() - t0
-        if ok:
-            r.kv = kv
-            done_before, r.done = r.done, reused
-            k = self._step_tokens(r, budget)
-            if self._grow(r, k):
-                self._admitted(r, reused)
-                return k
-            r.done = done_before
-        t0 = time.perf_counter()
-        kv.close()
-        self.stats.kv_call_s += time.perf_counter() - t0
-        r.kv = None
         return None
 
     def _admitted(self, r: Request, reused: int):
