@@ -413,7 +413,7 @@ class KVCache:
 
     def _launch(self, op, *args, need: int = 0) -> bool:
         """One launch of the sequence kernel; ``need`` bounds the GPU pages it
-        allocates per life cycle (so eviction victims are listed beforehand)."""
+        allocates per life cycle (room in the change log for their victims)."""
         a = np.zeros(4, dtype=np.int64)
         a[: len(args)] = args
         self._q.args[:] = self._backend.to_device(a)

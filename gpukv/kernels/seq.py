@@ -55,7 +55,7 @@ from ..core.layout import (  # noqa: F401 (the scalars and reference kinds are r
     USER_STOP,
     VIRTUAL_STOP,
 )
-from .evict import begin_launch, end_launch
+from .evict import begin_launch
 from .link import helper, link
 from .seq_close import close
 from .seq_commit import commit, stop_committing
@@ -115,7 +115,6 @@ def seq_step(S, Q, op):
 def seq_op(S, Q, op):
     begin_launch(S)
     seq_step(S, Q, op)
-    end_launch(S)
 
 
 def build_seq(target: str):
