@@ -10,11 +10,10 @@ counts: a shared machine's load comes and goes), then 3:
 1. plain: the time per running sequence per step, nothing attached;
 2. timed: the same with a ``perf_counter`` pair around each part of the
    per-cache call path, attached to the manager's objects from outside:
-   the kernel launch (the Numba dispatcher call: dispatch + kernel), the
-   evictor's victim pass (``Evictor.prepare``), token conversion
-   (``token_array``), the table capacity checks (``ensure_free_blocks``,
-   ``ensure_log_tokens``), the work after each launch (``after_kernel``:
-   draining page copies and the change log) and the host/device transfers
+   the kernel launch (the Numba dispatcher call: dispatch + kernel), token
+   conversion (``token_array``), the table capacity checks
+   (``ensure_free_blocks``, ``ensure_log_tokens``), the work after each
+   launch (``Launcher.settle``: draining page copies and the change log) and the host/device transfers
    of the backend, each part's own time (a timed call inside another is
    taken out of the outer one); the rest of the facade (argument and state
    checks, small arrays, Python) is the remainder. The dispatch part of a
@@ -154,7 +153,6 @@ def attach_timers(mgr, kvs) -> Timers:
     else:
         for kv in kvs:
             timers.attach(kv, "_run", LAUNCH)
-    timers.attach(mgr._launcher.evictor, "prepare", "evictor victim pass")
     timers.attach(mgr._launcher, "settle", "after each launch (page copies, change log)")
     timers.attach(mgr._tables, "ensure_free_blocks", "table capacity checks")
     timers.attach(mgr._tables, "ensure_log_tokens", "table capacity checks")
@@ -213,8 +211,8 @@ def profile(pool: str, B: int, steps: int, repeats: int, top: int, out=sys.stdou
 
     print(f"\n### gpukv decode ({d.calls} calls), B={B}, {pool} pool ({facts['pages']:,} pages), {steps} steps\n", file=out)
     print(f"plain: {us(plain)} µs per running sequence per step; with the timers: {us(timed)} µs; "
-          f"{n_launch / seq_steps:.3g} kernel launches and {timers.calls['evictor victim pass'] / seq_steps:.3g} "
-          f"evictor passes per sequence step; a launch's dispatch alone {us(per_launch_dispatch)} µs.\n", file=out)
+          f"{n_launch / seq_steps:.3g} kernel launches per sequence step; a launch's dispatch alone "
+          f"{us(per_launch_dispatch)} µs.\n", file=out)
     if pool == "evicting":
         print(f"free pages after the fill: {facts['free_pages_after_fill']}, after the steps: {free_after}\n",
               file=out)

@@ -6,9 +6,9 @@ filled with the cached prompts of trace requests (each hash id expanded to 512
 deterministic tokens), every page droppable, as after a busy period. Every
 round starts from such a full pool (rebuilt untimed).
 
-* ``evict_pool``: free the whole pool in one call (``OP_EVICT``: a batched
-  pass lists the victims, the serial kernel evicts them least recently used
-  first, each page death running the tree cleanup); pages freed per second
+* ``evict_pool``: free the whole pool in one call (``OP_EVICT``: the serial
+  kernel takes the victims from the heads of its candidate lists, least
+  recently used first, each page death running the tree cleanup); pages freed per second
   (pages that die with an evicted ancestor's subtree count as freed too).
 * ``python_lru``: the plain-Python reference of the same work, an
   ``OrderedDict`` LRU popping the same number of entries and deleting their

@@ -413,8 +413,8 @@ class KVCache:
 
     def _launch(self, op, *args, need: int = 0, tokens=None, path=None) -> bool:
         """One launch of the sequence kernel for this cache alone (a batch of
-        one); ``need`` bounds the GPU pages it allocates per life cycle (so
-        eviction victims are listed beforehand). ``tokens`` and ``path`` are
+        one); ``need`` bounds the GPU pages it allocates per life cycle (room
+        in the change log for their victims). ``tokens`` and ``path`` are
         the kernel's input copied into the cache's rows (commit, reuse setup)."""
         pool = self._pool
         slot = self._slot

@@ -17,9 +17,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .core.config import PRIORITY_MIN
 from .kernels.keys import sibling_hash_np
+from .kernels.lru import NUM_HELD, NUM_PRIORITIES
 from .kernels.sha256 import int64x4_to_digest
-from .kernels.tree import OP_INSERT
+from .kernels.tree import NUM_LEVELS, OP_INSERT
 from .core.layout import (
     BLK_DIGEST,
     BLK_FIRST_CHILD,
@@ -38,7 +40,13 @@ from .core.layout import (
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
+    LG_COUNT,
+    LG_LOWEST,
     LOG,
+    LRU_GROUPS,
+    LRU_HEAD,
+    LRU_LISTS,
+    LRU_TAIL,
     NULL,
     PAGE_BLOCK,
     PAGE_COMMITTED,
@@ -47,7 +55,12 @@ from .core.layout import (
     PAGE_HOLDERS,
     PAGE_LEVEL,
     PAGE_LOCKS,
+    PAGE_LRU_LIST,
+    PAGE_LRU_NEXT,
+    PAGE_LRU_PREV,
+    PAGE_LRU_TICK,
     PAGE_POOL_INDEX,
+    PAGE_PRIORITY,
     PAGE_LIFE_CYCLE,
     PAGE_SERIAL,
     PAGE_STATE,
@@ -66,7 +79,11 @@ def tables(mgr) -> dict:
     ``blocks``, ``slots`` (row = block * num_life_cycles + life cycle),
     ``pages`` and ``log``; ``tokens`` is the plain [rows, T] token array.
     ``block_slots`` is ``slots`` shaped [block rows, life cycles], so
-    ``block_slots[r, lc]["coverage"]`` is ``cov(block r, lc)``."""
+    ``block_slots[r, lc]["coverage"]`` is ``cov(block r, lc)``.
+    ``lru_lists`` are the eviction candidates' lists, row ``lru_list_row(lc,
+    level, held, priority)``, each threaded oldest first through the pages'
+    ``lru_next``; ``lru_groups``, row ``lru_group_row(lc, level, held)``,
+    count their members."""
     t = mgr._tables
     h = t.backend.to_host
     blocks = BLOCKS.view(h(t.blocks))
@@ -78,7 +95,39 @@ def tables(mgr) -> dict:
         "block_slots": slots.reshape(blocks.shape[0], len(mgr.config.life_cycles)),
         "pages": PAGES.view(h(t.pages)),
         "log": LOG.view(h(t.log)),
+        "lru_lists": LRU_LISTS.view(h(t.lru_lists)),
+        "lru_groups": LRU_GROUPS.view(h(t.lru_groups)),
     }
+
+
+def lru_group_row(life_cycle_id: int, level: int, held: bool) -> int:
+    """The ``lru_groups`` row of the candidates of (life cycle, level) that
+    are held (or not); the same arithmetic as the kernels'."""
+    return (life_cycle_id * NUM_LEVELS + level) * NUM_HELD + int(bool(held))
+
+
+def lru_list_row(life_cycle_id: int, level: int, held: bool, priority: int) -> int:
+    """The ``lru_lists`` row of one priority of that group."""
+    return lru_group_row(life_cycle_id, level, held) * NUM_PRIORITIES + priority - PRIORITY_MIN
+
+
+def eviction_order(mgr, life_cycle_id: int, level: int = 0, held: bool = False) -> list:
+    """The page rows of one group of eviction candidates, as the kernels will
+    take them: lowest priority first, each priority oldest first."""
+    L = len(mgr.config.life_cycles)
+    if not isinstance(life_cycle_id, (int, np.integer)) or not 0 <= life_cycle_id < L:
+        raise ValueError(f"life_cycle_id must be in 0..{L - 1}, got {life_cycle_id!r}")
+    if level not in range(NUM_LEVELS):
+        raise ValueError(f"level must be in 0..{NUM_LEVELS - 1}, got {level!r}")
+    t = tables(mgr)
+    lists, pages = t["lru_lists"], t["pages"]
+    order = []
+    for priority in range(PRIORITY_MIN, PRIORITY_MIN + NUM_PRIORITIES):
+        p = lists[lru_list_row(life_cycle_id, level, held, priority)]["head"]
+        while p != NULL and len(order) < pages.shape[0]:
+            order.append(int(p))
+            p = pages[p]["lru_next"]
+    return order
 
 
 # -- test blocks --------------------------------------------------------------------------
@@ -250,8 +299,9 @@ def detach_count(mgr) -> int:
 
 # -- sanity ---------------------------------------------------------------------------------
 def check_sanity(mgr):
-    """Verify the tree and slot invariants of docs/semantics.md §3 (1-7, 10) and
-    the consistency of both indexes (child keys, siblings by first token).
+    """Verify the tree, slot and eviction-list invariants of docs/semantics.md
+    §3 (1-7, 9, 10) and the consistency of both indexes (child keys, siblings
+    by first token).
 
     Raises AssertionError naming the broken invariant."""
     t = tables(mgr)
@@ -369,6 +419,60 @@ def check_sanity(mgr):
             fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
     _check_monotone_coverage(mgr, slots, raw, in_use, L)
     _check_pools(mgr, raw_pages, fail)
+    _check_eviction_lists(mgr, raw_pages, fail)
+
+
+def _check_eviction_lists(mgr, pages, fail):
+    """Invariant 9: the eviction candidates are listed exactly, each in the
+    list of its (life cycle, level, held or not, priority), every list
+    well linked and sorted by tick, the group counts right and every
+    group's lowest-priority bound below its members."""
+    t = mgr._tables
+    h = mgr._backend.to_host
+    lists, groups, pool_size = h(t.lru_lists), h(t.lru_groups), h(t.pool_size)
+    n = pages.shape[0]
+    lc, level, state = pages[:, PAGE_LIFE_CYCLE], pages[:, PAGE_LEVEL], pages[:, PAGE_STATE]
+    holders, priority, tick = pages[:, PAGE_HOLDERS], pages[:, PAGE_PRIORITY], pages[:, PAGE_LRU_TICK]
+    has_host = pool_size[(lc * NUM_LEVELS + 1).clip(0, pool_size.size - 1)] > 0
+    evictable = (state != PAGE_FREE) & (pages[:, PAGE_LOCKS] == 0) & np.where(
+        holders == 0, state == PAGE_COMMITTED, level < has_host.astype(np.int64))
+    group = (lc * NUM_LEVELS + level) * NUM_HELD + (holders > 0)
+    want = np.where(evictable, group * NUM_PRIORITIES + priority - PRIORITY_MIN, NULL)
+    wrong = np.nonzero(pages[:, PAGE_LRU_LIST] != want)[0]
+    if wrong.size:
+        p = int(wrong[0])
+        fail(9, f"page {p} is in eviction list {pages[p, PAGE_LRU_LIST]} but belongs in {want[p]} "
+                f"({'a candidate' if evictable[p] else 'no candidate'})")
+    unlisted = (want == NULL) & ((pages[:, PAGE_LRU_PREV] != NULL) | (pages[:, PAGE_LRU_NEXT] != NULL))
+    if unlisted.any():
+        fail(9, f"page {int(np.nonzero(unlisted)[0][0])} is in no eviction list but has list neighbours")
+    seen = np.zeros(n, dtype=bool)
+    for lst in np.nonzero((lists[:, LRU_HEAD] != NULL) | (lists[:, LRU_TAIL] != NULL))[0]:
+        prev, p = NULL, lists[lst, LRU_HEAD]
+        while p != NULL:
+            if not 0 <= p < n or seen[p]:
+                fail(9, f"eviction list {lst} reaches page {p} twice or out of range")
+            seen[p] = True
+            if pages[p, PAGE_LRU_LIST] != lst or pages[p, PAGE_LRU_PREV] != prev:
+                fail(9, f"page {p} is linked in eviction list {lst} but names list "
+                        f"{pages[p, PAGE_LRU_LIST]} and predecessor {pages[p, PAGE_LRU_PREV]} (want {prev})")
+            if prev != NULL and tick[prev] > tick[p]:
+                fail(9, f"eviction list {lst} is not sorted by tick: page {prev} ({tick[prev]}) before {p} ({tick[p]})")
+            prev, p = p, pages[p, PAGE_LRU_NEXT]
+        if lists[lst, LRU_TAIL] != prev:
+            fail(9, f"eviction list {lst} ends at page {prev} but names tail {lists[lst, LRU_TAIL]}")
+    if (seen != (want != NULL)).any():
+        fail(9, f"candidate page {int(np.nonzero(seen != (want != NULL))[0][0])} is not reachable in its eviction list")
+    listed = want[want != NULL]
+    counts = np.bincount(listed // NUM_PRIORITIES, minlength=groups.shape[0])
+    bad = np.nonzero(counts != groups[:, LG_COUNT])[0]
+    if bad.size:
+        g = int(bad[0])
+        fail(9, f"eviction group {g} counts {groups[g, LG_COUNT]} candidates but lists {counts[g]}")
+    for g in np.unique(listed // NUM_PRIORITIES):
+        lowest = int((listed[listed // NUM_PRIORITIES == g] % NUM_PRIORITIES).min()) + PRIORITY_MIN
+        if lowest < groups[g, LG_LOWEST]:
+            fail(9, f"eviction group {g} lists priority {lowest} below its bound {groups[g, LG_LOWEST]}")
 
 
 def _check_pools(mgr, pages, fail):

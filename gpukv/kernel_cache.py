@@ -27,13 +27,12 @@ import time
 log = logging.getLogger("gpukv")
 
 # The kernels a manager calls, in the order a workload first needs them.
-KERNEL_NAMES = ("tree", "seq", "hash", "match", "compact", "evictable")
+KERNEL_NAMES = ("tree", "seq", "hash", "match", "compact")
 
 
 def kernels(target: str) -> dict:
     """Name -> the callable the host facade launches (the builders are cached,
     so these are the very objects a manager holds)."""
-    from .kernels.evict import build_evictable_kernel
     from .kernels.match import build_match_kernels
     from .kernels.seq import build_seq_kernel
     from .kernels.tree import build_tree_kernel
@@ -45,7 +44,6 @@ def kernels(target: str) -> dict:
         "hash": m.hash_blocks,
         "match": m.match,
         "compact": m.compact,
-        "evictable": build_evictable_kernel(target),
     }
 
 
@@ -132,7 +130,7 @@ def first_call(kernel):
 # without doing each other's work). "match" is the three match kernels. The
 # longest first (docs/performance.md, "Cold start"), so that on two cores the
 # short ones fill in beside the longest.
-JOBS = {"seq": ("seq",), "match": ("hash", "match", "compact"), "tree": ("tree",), "evictable": ("evictable",)}
+JOBS = {"seq": ("seq",), "match": ("hash", "match", "compact"), "tree": ("tree",)}
 
 
 def _small(config):
@@ -181,9 +179,6 @@ def run_job(config, job: str) -> None:
         read(mgr._matcher.kernels.compact, batch, xp.zeros(B + 1, dtype=np.int64), xp.empty(1, dtype=np.int64))
         for s in seqs:
             s.release()
-    elif job == "evictable":
-        launcher.evictor._list(0, 1)
-        launcher.evictor.forget()
     else:
         raise ValueError(f"unknown compile job {job!r}; one of {tuple(JOBS)}")
     # No shutdown(): it clears the tree through the tree kernel, which would

@@ -5,9 +5,8 @@ serves the tree (``tree.py``), the caches (``cache.py``) and, for the matching
 kernels that only read, the matcher (``matching.py``):
 
     settle      finish what an earlier launch left undone (see below)
-    prepare     list eviction victims when the launch may allocate more GPU
-                pages than are free (``Evictor.prepare``)
-    launch      run the kernel on the tables
+    launch      run the kernel on the tables (eviction needs no preparation:
+                the kernels keep their candidates listed, ``kernels/lru.py``)
     aftermath   1. results: the caller's host copies of what it changed (a
                    cache's scalars; for a launch over many caches, all of
                    theirs in one transfer)
@@ -211,19 +210,17 @@ def call_kernel(kernel, *args) -> None:
 class Launcher:
     """Runs kernels on one manager's tables and does their aftermath.
 
-    ``evictor``: lists victims before a launch that may need room (None: the
-    kernels scan for victims themselves). ``copier``: carries out recorded
+    ``copier``: carries out recorded
     page data copies (``PageMemory``). ``events``: the event manager fed from
     the change log (None when events are off). ``stream_scope``: the context
     every public call runs in (``backend.stream_scope``: the manager's CUDA
     stream; nothing by default). ``log_sink``: a list that collects every
     drained log record (tests)."""
 
-    def __init__(self, tables, evictor=None, copier=None, events=None, stream_scope=None):
+    def __init__(self, tables, copier=None, events=None, stream_scope=None):
         self.tables = tables
         self.stream_scope = contextlib.nullcontext() if stream_scope is None else stream_scope
         self.backend = tables.backend
-        self.evictor = evictor
         self.copier = copier
         self.events = events
         self.log_sink: list | None = None
@@ -236,19 +233,13 @@ class Launcher:
     def launch(self, kernel, *args, need=None, results=None) -> None:
         """``kernel(tables, *args)``, then its aftermath.
 
-        ``need[lc]`` bounds the GPU pages the launch allocates per life cycle
-        (victims are listed beforehand when that is more than is free).
+        ``need`` (a bound on the GPU pages the launch allocates per life
+        cycle) is accepted and unused: the kernels find victims themselves.
         ``results()`` refreshes the caller's host copies of what the launch
         changed; it runs first in the aftermath, and again if the aftermath is
         resumed, so it must be idempotent (a read of device state)."""
         if self.pending:
             self.settle()
-        if need is not None and self.evictor is not None:
-            try:
-                self.evictor.prepare(need)
-            except BaseException:
-                self.evictor.forget()
-                raise
         self._results = results
         self.pending = True
         call_kernel(kernel, self.tables.device, *args)

@@ -19,7 +19,6 @@ from .batch import BatchCalls
 from .cache_pool import CachePool
 from .core.config import CacheConfig
 from .core.kinds import has_window
-from .evict import Evictor
 from .core.layout import CNT_DROPPED, CNT_EVICTED, CNT_MIGRATED
 from .launcher import Launcher, first_load, serialized
 from .matching import BatchMatch, Matcher
@@ -34,8 +33,8 @@ from .tree import BlockTree
 
 class KVCacheManager:
     """Layering, bottom up: ``Tables`` (the device arrays); the ``Launcher``
-    that runs every kernel on them with its aftermath (``Evictor`` before,
-    ``PageMemory`` and the event manager after); the ``BlockTree``,
+    that runs every kernel on them with its aftermath (``PageMemory`` and
+    the event manager after it); the ``BlockTree``,
     ``Matcher`` and ``KVCache``s that validate calls and launch through it.
     Each part gets what it uses when it is built; nothing is patched in later.
     Public calls run one at a time (``launcher.CallGuard``)."""
@@ -78,9 +77,7 @@ class KVCacheManager:
                 scope_of_root=lambda digest: self._tree.scope_of_root_digest(digest),
             )
             self._events.created([sum(config.pages_per_life_cycle_list()), sum(config.pages_per_life_cycle_list(host=True))])
-        self._launcher = Launcher(
-            self._tables, evictor=Evictor(self._tables), copier=self._pages, events=self._events, stream_scope=scope,
-        )
+        self._launcher = Launcher(self._tables, copier=self._pages, events=self._events, stream_scope=scope)
         self._tree = BlockTree(self._tables, self._launcher)
         self._arena = TokenArena(self._backend, config.tokens_per_block, self._tables.intern_digest)
         self._matcher = Matcher(self._tables, self._tree, self._arena, config, self._launcher)

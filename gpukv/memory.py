@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .core.config import CacheConfig
-from .core.layout import BLOCKS, COPIES, COUNTERS, EVICT_COUNTS, LATE, LOG, PAGES, POLICY, SLOTS
+from .core.layout import BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, PAGES, POLICY, SLOTS
+from .kernels.lru import NUM_HELD, NUM_PRIORITIES
 from .kernels.sha256 import SHA256_WORK_WORDS
 from .kernels.tree import NUM_LEVELS
 from .tables import DeviceTables, preallocated_sizes, pow2_at_least
@@ -62,11 +63,13 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
       (int64), and two child-index bucket arrays of the power of two at least
       ``2r`` (int64);
     - per page ``P`` (GPU and host pages of every life cycle): ``pages``
-      (its layout width, int64), ``page_free`` and ``row_free`` (int64), the
-      copy list (``3P + 16`` records) and the late list (``2P + 16``);
-    - the change log (``log``, ``log_tokens``) and the victim lists, at the
-      sizes ``tables.preallocated_sizes`` gives (with ``max_blocks``: a call
-      over that many blocks, every row in use; the largest pool);
+      (its layout width, int64), ``page_free`` and ``row_free`` (int64) and
+      the copy list (``3P + 16`` records);
+    - the change log (``log``, ``log_tokens``), at the sizes
+      ``tables.preallocated_sizes`` gives (with ``max_blocks``: a call over
+      that many blocks, every row in use);
+    - the eviction lists: one per (life cycle, level, held or not,
+      priority), and a count row per (life cycle, level, held or not);
     - small per-life-cycle and per-pool arrays, the counters, the policy
       switches, the SHA-256 scratch, one row of multimodal digests.
     """
@@ -82,7 +85,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
     T = config.tokens_per_block
     L = len(config.life_cycles)
     P = sum(config.pages_per_life_cycle_list()) + sum(config.pages_per_life_cycle_list(host=True))
-    pools = max(1, L * NUM_LEVELS)
+    groups = max(1, L) * NUM_LEVELS * NUM_HELD  # eviction list groups: (life cycle, level, held or not)
     buckets = pow2_at_least(2 * rows)
 
     def record(layout, n: int) -> int:
@@ -104,13 +107,8 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
         "row_top": L * INT64,
         "row_free": P * INT64,
         "copies": record(COPIES, 3 * P + 16),
-        "victims": pools * sizes["victims"] * INT64,
-        "victim_ticks": pools * sizes["victims"] * INT64,
-        "victim_count": pools * INT64,
-        "victim_next": pools * INT64,
-        "victim_total": pools * INT64,
-        "evict_counts": record(EVICT_COUNTS, max(1, L)),
-        "late": record(LATE, 2 * P + 16),
+        "lru_lists": record(LRU_LISTS, groups * NUM_PRIORITIES),
+        "lru_groups": record(LRU_GROUPS, groups),
         "no_host_room": max(1, L) * INT64,
         "counters": record(COUNTERS, 1),
         "log": record(LOG, sizes["log"]),

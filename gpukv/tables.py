@@ -12,8 +12,8 @@ and a storage slot in one of the fixed pools, one pool per (life cycle, cache
 level). A page migrating between levels keeps its row and changes its storage
 slot. Each life cycle owns a contiguous stretch of page rows (as many as its
 pools have slots together) with a free-row stack; each pool has a stack of free
-storage indices. The eviction controller's inputs (victim lists, the late list,
-candidate counts) live here too; ``evict.py`` fills them.
+storage indices. The eviction controller's lists of candidates live here too
+(their links are columns of the page rows); only the kernels change them.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from collections import namedtuple
 import numpy as np
 
 from .core.backend import Backend
-from .core.config import CacheConfig
+from .core.config import PRIORITY_MIN, CacheConfig
 from .core.kinds import has_window
 from .kernels.sha256 import SHA256_WORK_WORDS
 from .kernels.keys import sibling_hash_np
+from .kernels.lru import NUM_HELD, NUM_PRIORITIES
 from .kernels.tree import NUM_LEVELS
 from .core.layout import (
     BLK_FIRST_NEXT,
@@ -43,7 +44,10 @@ from .core.layout import (
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
+    LG_LOWEST,
     LOG,
+    LRU_GROUPS,
+    LRU_LISTS,
     NULL,
     PAGE_LIFE_CYCLE,
     PAGE_STATE,
@@ -73,13 +77,8 @@ DeviceTables = namedtuple(
         "row_top",  # int64 [L]: free page rows of each life cycle
         "row_free",  # int64 [pages]: per-life-cycle stacks of free page rows
         "copies",  # int64 [k, COPY_WIDTH]: page data copies of the current launch
-        "victims",  # int64 [L * levels, K]: eviction candidates, best first (evict.py)
-        "victim_ticks",  # int64 [L * levels, K]: their LRU ticks when chosen
-        "victim_count",  # int64 [L * levels]: entries in each list (0 after a launch)
-        "victim_next",  # int64 [L * levels]: the next entry to consider
-        "victim_total",  # int64 [L * levels]: all candidates when listed; -1 = unknown
-        "evict_counts",  # int64 [L, 3]: droppable GPU, held GPU, droppable host candidates
-        "late",  # int64 [k, 2]: (page, tick) of pages scheduled during the launch
+        "lru_lists",  # int64 [L * levels * 2 * priorities, LRU_LISTS.width]: eviction candidates' lists
+        "lru_groups",  # int64 [L * levels * 2, LRU_GROUPS.width]: their counts (kernels/lru.py)
         "no_host_room",  # int64 [L]: set when the host tier could not take a held page
         "counters",  # int64 [COUNTERS.width]
         "log",  # int64 [entries, LOG.width]
@@ -132,12 +131,11 @@ def preallocated_sizes(config: CacheConfig) -> dict:
     at the size it may ever need, so none grows (``index_memory`` reports
     the bytes). ``blocks``: block rows; ``log`` and ``log_tokens``: the
     change log sized for a launch over ``blocks`` blocks with every row in use
-    (``launch_blocks`` below); ``victims``: the width of
-    the eviction victim lists (the largest pool)."""
+    (``launch_blocks`` below)."""
     L = len(config.life_cycles)
     mb = config.max_blocks
     if mb is None:
-        return {"blocks": INITIAL_BLOCK_ROWS, "log": LOG_MIN_ROWS, "log_tokens": LOG_TOKENS_MIN_ROWS, "victims": 1}
+        return {"blocks": INITIAL_BLOCK_ROWS, "log": LOG_MIN_ROWS, "log_tokens": LOG_TOKENS_MIN_ROWS}
     tokens_rows = max(LOG_TOKENS_MIN_ROWS, log_tokens_rows_for(mb, L))
     pools = [g + h for g, h in zip(config.pages_per_life_cycle_list(), config.pages_per_life_cycle_list(host=True))]
     # The widest launch: a cache's call over its blocks, the doubled arrays
@@ -148,7 +146,6 @@ def preallocated_sizes(config: CacheConfig) -> dict:
         "blocks": mb,
         "log": log_rows_for(mb, launch_blocks, tokens_rows, L),
         "log_tokens": tokens_rows,
-        "victims": max(pools),
     }
 
 
@@ -212,14 +209,11 @@ class Tables:
         # A page moves at most twice per launch (down to the host, back up on a
         # lock) and every allocation copies at most once.
         self.copies = xp.zeros((3 * total + 16, COPY_WIDTH), dtype=np.int64)
-        self.late = xp.zeros((2 * total + 16, 2), dtype=np.int64)
-        pools = max(1, L * NUM_LEVELS)
-        self.victims = xp.zeros((pools, sizes0["victims"]), dtype=np.int64)
-        self.victim_ticks = xp.zeros((pools, sizes0["victims"]), dtype=np.int64)
-        self.victim_count = xp.zeros(pools, dtype=np.int64)
-        self.victim_next = xp.zeros(pools, dtype=np.int64)
-        self.victim_total = xp.full(pools, -1, dtype=np.int64)
-        self.evict_counts = xp.zeros((max(1, L), 3), dtype=np.int64)
+        groups = max(1, L) * NUM_LEVELS * NUM_HELD
+        self.lru_lists = xp.full((groups * NUM_PRIORITIES, LRU_LISTS.width), NULL, dtype=np.int64)
+        lru_groups = np.zeros((groups, LRU_GROUPS.width), dtype=np.int64)
+        lru_groups[:, LG_LOWEST] = PRIORITY_MIN + NUM_PRIORITIES  # empty: no priority below it holds a page
+        self.lru_groups = backend.to_device(lru_groups)
         self.no_host_room = xp.zeros(max(1, L), dtype=np.int64)
         self.log_tokens = xp.zeros((sizes0["log_tokens"], max(1, T)), dtype=np.int32)
 

@@ -152,18 +152,18 @@ class BlockTree:
         return {sid: entry.digest for sid, entry in self._scopes.items()}
 
     # -- kernel launch --------------------------------------------------------------
-    def _op(self, op: int, args=(), toks=None, need=None, pages: int = 0) -> np.ndarray:
-        """One tree kernel launch; ``need[lc]`` bounds the GPU pages it
-        allocates, ``pages`` any other pages per life cycle it may free."""
+    def _op(self, op: int, args=(), toks=None, pages: int = 0) -> np.ndarray:
+        """One tree kernel launch; ``pages`` bounds the pages per life cycle
+        it may allocate or free besides those of the blocks in ``toks``."""
         b = self.backend
         blocks = 0 if toks is None else -(-len(toks) // max(1, self.tables.tokens_per_block))
-        self.tables.ensure_log(blocks + max(need or [0]) + pages)
+        self.tables.ensure_log(blocks + pages)
         a = np.zeros(8, dtype=np.int64)
         a[: len(args)] = args
         t = np.zeros(max(1, self.tables.tokens_per_block), dtype=np.int32) if toks is None else toks
         out = np.full(4, NULL, dtype=np.int64)
         d_a, d_t, d_out = b.to_device(a), b.to_device(t), b.to_device(out)
-        self.launcher.launch(self._kernel, op, d_a, d_t, d_out, need=need)
+        self.launcher.launch(self._kernel, op, d_a, d_t, d_out)
         return b.to_host(d_out)
 
     # -- reading rows -------------------------------------------------------------
@@ -247,12 +247,7 @@ class BlockTree:
         if not 1 <= coverage <= n:
             raise ValueError(f"coverage must be in 1..{n} (the block's tokens), got {coverage}")
         priority = check_priority(priority, "priority")
-        return int(self._op(OP_ADD_PAGE, (r, lc, coverage, priority), need=self._one(lc))[0])
-
-    def _one(self, lc: int) -> list[int]:
-        need = [0] * self.tables.num_life_cycles
-        need[lc] = 1
-        return need
+        return int(self._op(OP_ADD_PAGE, (r, lc, coverage, priority), pages=1)[0])
 
     def announce(self, block: BlockRef, kind: int, lc: int = NULL):
         """Feed a block to the event manager's stored paths (EV_STORED_BLOCK or
@@ -266,9 +261,8 @@ class BlockTree:
     def evict(self, lc: int, level: int, free: int) -> bool:
         """Evict from (lc, level) until it has ``free`` free slots (§2.11)."""
         self._check_lc(lc)
-        need = [0] * self.tables.num_life_cycles
-        need[lc] = free if level == 0 else 0
-        return bool(self._op(OP_EVICT, (lc, level, free), need=need, pages=int(free))[0])
+        # Each slot freed on the GPU may also drop a host page to make room.
+        return bool(self._op(OP_EVICT, (lc, level, free), pages=2 * int(free))[0])
 
     def unlink_page(self, block: BlockRef, lc: int, expected: int = NULL) -> int:
         r = self.resolve(block)

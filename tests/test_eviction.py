@@ -15,6 +15,7 @@ import pytest
 
 import gpukv
 from gpukv import Attention, introspect
+from gpukv.core.layout import LG_COUNT, LG_LOWEST, NULL, PAGE_HOLDERS, PAGE_LOCKS, PAGE_LRU_LIST, PAGE_LRU_PREV, PAGE_LRU_TICK
 
 try:
     from conftest import make_manager
@@ -140,6 +141,57 @@ def test_swa_page_eviction_removes_only_that_life_cycle():
     assert n == 2 * T and swa[0] is None and swa[1] is not None  # the window at 8 needs only block 1
     assert mgr.probe_reuse(seq(0)) == 2 * T
     introspect.check_sanity(mgr)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_victims_follow_priority_then_recency_with_pushes_and_touches(seed):
+    """One-block turns (a death never takes another turn with it) released
+    with mixed priorities, some pushed to the head, some touched again
+    later; then the pool is taken one page at a time and each victim must be
+    the turn a plain model of (priority, tick) names."""
+    rng = random.Random(seed)
+    n = 12
+    mgr = full(n)
+    ticks = {}  # turn -> (priority, tick) as the controller should see it
+    clock, pushes = 0, 0
+
+    def release(i, first):
+        nonlocal clock, pushes
+        if first:
+            pushes += 1
+            ticks[i] = (ticks[i][0], -1 - pushes)
+        else:
+            ticks[i] = (ticks[i][0], clock)
+            clock += 1
+
+    for i in range(n):
+        priority = rng.choice([0, 10, 35, 35, 100])
+        kv = mgr.create_kv_cache(priority_callback=lambda o, lc, p=priority: p)
+        assert kv.resume() and kv.resize(T)
+        kv.commit(seq(i, T))
+        first = rng.random() < 0.3
+        kv.close(evict_first=first)
+        ticks[i] = (priority, None)
+        release(i, first)
+        if i and rng.random() < 0.4:  # a request reuses an older turn and finishes
+            j = rng.randrange(i)
+            again = mgr.create_kv_cache(seq(j, T))
+            assert again.num_committed_tokens == T
+            first = rng.random() < 0.3
+            again.close(evict_first=first)
+            release(j, first)
+    introspect.check_sanity(mgr)
+    want = sorted(ticks, key=lambda i: ticks[i])
+    pages = {i: introspect.reuse_match_pages(mgr, seq(i, T), 0)[1][0][0] for i in range(n)}
+    assert introspect.eviction_order(mgr, 0) == [pages[i] for i in want]
+    taker = mgr.create_kv_cache()
+    assert taker.resume()
+    for k, victim in enumerate(want, start=1):
+        assert taker.resize(k * T)
+        gone = [i for i in range(n) if mgr.probe_reuse(seq(i, T)) == 0]
+        assert gone == sorted(want[:k]), f"victim {k} should be turn {victim} {ticks[victim]}"
+        introspect.check_sanity(mgr)
+    taker.close()
 
 
 # -- bad input ---------------------------------------------------------------------------------------
@@ -304,3 +356,149 @@ def test_random_turns_with_a_host_tier_never_reuse_lost_data(seed):
     for kv in open_:
         kv.close()
     introspect.check_sanity(mgr)
+
+
+def test_held_pages_stay_when_the_host_tier_is_full_of_held_pages():
+    """The oldest candidates are a suspended cache's held pages, but the host
+    tier is full of another suspended cache's held pages: the held ones cannot
+    migrate, so the younger unheld pages are dropped instead, and the held
+    pages keep their place for a later launch."""
+    mgr = tiered(4, 2)
+    swapped = mgr.create_kv_cache()
+    assert swapped.resume() and swapped.resize(2 * T)
+    swapped.commit(seq(0))
+    swapped.suspend()
+    waiting = mgr.create_kv_cache()
+    assert waiting.resume() and waiting.resize(2 * T)
+    waiting.commit(seq(1))
+    waiting.suspend()
+    finished(mgr, seq(2))  # its two pages push swapped's two to the host: full of held pages
+    assert mgr.get_and_reset_eviction_stats() == {"evicted": 2, "migrated": 2, "dropped": 0}
+    levels = introspect.tables(mgr)["pages"]["level"]
+    held = [p for p, _ in introspect.reuse_match_pages(mgr, seq(1), 0)[1]]
+    cached = [p for p, _ in introspect.reuse_match_pages(mgr, seq(2), 0)[1]]
+    assert [int(levels[p]) for p, _ in introspect.reuse_match_pages(mgr, seq(0), 0)[1]] == [1, 1]
+    assert introspect.eviction_order(mgr, 0, held=True) == held  # suspended root first, as scheduled
+    assert introspect.eviction_order(mgr, 0) == cached[::-1]  # released leaf first
+    assert introspect.eviction_order(mgr, 0, level=1) == introspect.eviction_order(mgr, 0, level=1, held=True) == []
+    introspect.check_sanity(mgr)
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(2 * T)
+    assert mgr.get_and_reset_eviction_stats() == {"evicted": 2, "migrated": 0, "dropped": 2}
+    assert mgr.probe_reuse(seq(2)) == 0 and waiting.num_committed_tokens == 2 * T
+    assert introspect.eviction_order(mgr, 0, held=True) == held
+    introspect.check_sanity(mgr)
+    swapped.close()  # room on the host again: the next launch may migrate held pages
+    kv.close()
+    taker = mgr.create_kv_cache()
+    assert taker.resume() and taker.resize(4 * T)
+    assert mgr.get_and_reset_eviction_stats()["migrated"] >= 2
+    assert [int(introspect.tables(mgr)["pages"]["level"][p]) for p in held] == [1, 1]
+    assert waiting.resume() is False  # its pages are on the host, the GPU is taken
+    taker.close()
+    assert waiting.resume()
+    waiting.close()
+    introspect.check_sanity(mgr)
+
+
+def test_a_cached_page_a_new_cache_holds_keeps_its_age_among_the_held():
+    """A cache created on cached pages holds them without rescheduling: with a
+    host tier they become held candidates with their old ticks, between the
+    pages of caches suspended before and after they were cached."""
+    mgr = tiered(8, 8)
+    early = mgr.create_kv_cache()
+    assert early.resume() and early.resize(2 * T)
+    early.commit(seq(0))
+    early.suspend()
+    finished(mgr, seq(1))
+    late = mgr.create_kv_cache()
+    assert late.resume() and late.resize(2 * T)
+    late.commit(seq(2))
+    late.suspend()
+    rows = {i: [p for p, _ in introspect.reuse_match_pages(mgr, seq(i), 0)[1]] for i in range(3)}
+    assert introspect.eviction_order(mgr, 0) == rows[1][::-1]
+    reuser = mgr.create_kv_cache(seq(1))  # SUSPENDED, holding seq(1)'s pages
+    assert reuser.num_committed_tokens == 2 * T
+    ticks = introspect.tables(mgr)["pages"]["lru_tick"]
+    order = introspect.eviction_order(mgr, 0, held=True)
+    assert order == sorted(rows[0] + rows[1] + rows[2], key=lambda p: ticks[p])
+    assert order[:2] == sorted(rows[0], key=lambda p: ticks[p]) and order[4:] == sorted(rows[2], key=lambda p: ticks[p])
+    assert introspect.eviction_order(mgr, 0) == []
+    introspect.check_sanity(mgr)
+    taker = mgr.create_kv_cache()
+    assert taker.resume() and taker.resize(3 * T)  # 2 free: the third page takes the oldest held one
+    assert mgr.get_and_reset_eviction_stats() == {"evicted": 1, "migrated": 1, "dropped": 0}
+    assert int(introspect.tables(mgr)["pages"]["level"][order[0]]) == 1
+    for kv in (taker, reuser, early, late):
+        kv.close()
+    introspect.check_sanity(mgr)
+
+
+# -- the lists checked ---------------------------------------------------------------------------
+def _cached_pool():
+    """Three priorities of cached pages in one pool, one pushed to the head."""
+    mgr = full(8)
+    finished(mgr, seq(0), priority_callback=lambda o, lc: 50)
+    finished(mgr, seq(1))
+    finished(mgr, seq(2), priority_callback=lambda o, lc: 50)
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(T)
+    kv.commit(seq(3, T))
+    kv.close(evict_first=True)
+    introspect.check_sanity(mgr)
+    return mgr
+
+
+def _corrupt_order(mgr):
+    order = introspect.eviction_order(mgr, 0)
+    pages = mgr._tables.pages
+    a, b = order[-2], order[-1]  # seq(2)'s two pages, one list
+    pages[a, PAGE_LRU_TICK], pages[b, PAGE_LRU_TICK] = pages[b, PAGE_LRU_TICK], pages[a, PAGE_LRU_TICK]
+
+
+def _corrupt_unlink(mgr):
+    p = introspect.eviction_order(mgr, 0)[0]  # the pushed page: the list of priority 35 lost
+    lst = mgr._tables.pages[p, PAGE_LRU_LIST]
+    mgr._tables.lru_lists[lst] = NULL
+
+
+def _corrupt_list(mgr):
+    p = introspect.eviction_order(mgr, 0)[0]
+    mgr._tables.pages[p, PAGE_LRU_LIST] += 1
+
+
+def _corrupt_count(mgr):
+    mgr._tables.lru_groups[introspect.lru_group_row(0, 0, False), LG_COUNT] += 1
+
+
+def _corrupt_bound(mgr):
+    mgr._tables.lru_groups[introspect.lru_group_row(0, 0, False), LG_LOWEST] = 40  # above the 35s
+
+
+def _corrupt_candidate(mgr):
+    p = introspect.eviction_order(mgr, 0)[0]
+    mgr._tables.pages[p, PAGE_LOCKS] = 1  # a locked page left listed
+    mgr._tables.pages[p, PAGE_HOLDERS] = 1
+
+
+def _corrupt_link(mgr):
+    order = introspect.eviction_order(mgr, 0)
+    mgr._tables.pages[order[-1], PAGE_LRU_PREV] = order[0]
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (_corrupt_order, "not sorted by tick"),
+    (_corrupt_unlink, "not reachable"),
+    (_corrupt_list, "belongs in"),
+    (_corrupt_count, "counts"),
+    (_corrupt_bound, "below its bound"),
+    (_corrupt_candidate, "no candidate"),
+    (_corrupt_link, "predecessor"),
+])
+def test_check_sanity_catches_a_wrong_eviction_list(corrupt, message):
+    mgr = _cached_pool()
+    assert [int(introspect.tables(mgr)["pages"]["priority"][p]) for p in introspect.eviction_order(mgr, 0)] == [
+        35, 35, 35, 50, 50, 50, 50]
+    corrupt(mgr)
+    with pytest.raises(AssertionError, match=f"invariant 9 broken: .*{message}"):
+        introspect.check_sanity(mgr)

@@ -7,7 +7,7 @@ host views the same memory as a NumPy structured array with named fields
 (``introspect.tables``). Outside this module no code uses bare column numbers.
 
 The kernels' argument blocks (what ``args`` and ``out`` of a launch hold, per
-operation) and the small per-launch records (late list, eviction counts,
+operation) and the small records (the eviction lists and their groups,
 sequence scalars, match results, walk lanes) are layouts too. Each field gets
 a plain-assignment constant (``BLK_PARENT = 1``) so grep and IDEs find it;
 ``_check_columns`` fails at import when one disagrees with its layout.
@@ -97,6 +97,12 @@ PAGES = Layout(
         ("state", 1),  # PAGE_* below
         ("pool_index", 1),  # its index in the life cycle's pool of its level
         ("serial", 1),  # set at allocation: tells a page from a later one in the same row
+        # Its place among the eviction candidates (kernels/lru.py): the
+        # neighbours in its list, oldest first, and the list; NULL when it
+        # is no candidate.
+        ("lru_prev", 1),
+        ("lru_next", 1),
+        ("lru_list", 1),
     ],
 )
 PAGE_FREE = 0
@@ -152,7 +158,6 @@ COUNTERS = Layout(
         ("evicted", 1),  # pages evicted from the GPU so far (migrated or dropped)
         ("migrated", 1),  # ... of which moved to the host tier
         ("dropped", 1),  # pages dropped from their last cache level (they died)
-        ("late_len", 1),  # entries of the launch's late-scheduled list
         ("evict_first", 1),  # evict-first pushes so far (they take ticks below zero)
     ],
 )
@@ -183,21 +188,15 @@ COPIES = Layout(
     [("life_cycle", 1), ("src_level", 1), ("src_index", 1), ("dst_level", 1), ("dst_index", 1)],
 )
 
-# Pages scheduled during a launch (DeviceTables.late): the eviction
-# controller's candidates the batched pass before the launch could not list.
-LATE = Layout("late", np.int64, [("page", 1), ("tick", 1)])
+# The eviction candidates' lists (DeviceTables.lru_lists, kernels/lru.py):
+# one row per (life cycle, cache level, held or not, priority), the ends of a
+# doubly linked list of page rows sorted by lru_tick, oldest first.
+LRU_LISTS = Layout("lru_lists", np.int64, [("head", 1), ("tail", 1)])
 
-# What eviction could free per life cycle, counted by the batched pass
-# (DeviceTables.evict_counts, one row per life cycle).
-EVICT_COUNTS = Layout(
-    "evict_counts",
-    np.int64,
-    [
-        ("droppable", 1),  # unheld GPU pages
-        ("held", 1),  # held GPU pages that could migrate to the host tier
-        ("host_droppable", 1),  # unheld host pages
-    ],
-)
+# One row per group of those lists, (life cycle, cache level, held or not)
+# (DeviceTables.lru_groups): its candidates, which are what eviction could
+# free without a scan, and a lower bound of its lowest non-empty priority.
+LRU_GROUPS = Layout("lru_groups", np.int64, [("count", 1), ("lowest", 1)])
 
 # The scalars of one sequence (SeqTables.scalars).
 SEQ_SCALARS = Layout(
@@ -357,6 +356,9 @@ PAGE_LRU_TICK = 8
 PAGE_STATE = 9
 PAGE_POOL_INDEX = 10
 PAGE_SERIAL = 11
+PAGE_LRU_PREV = 12
+PAGE_LRU_NEXT = 13
+PAGE_LRU_LIST = 14
 
 LOG_KIND = 0
 LOG_LIFE_CYCLE = 1
@@ -383,8 +385,7 @@ CNT_NUM_COPIES = 8
 CNT_EVICTED = 9
 CNT_MIGRATED = 10
 CNT_DROPPED = 11
-CNT_LATE_LEN = 12
-CNT_EVICT_FIRST = 13
+CNT_EVICT_FIRST = 12
 
 POLICY_COMMIT_MIN_SNAPSHOT = 0
 POLICY_SCRATCH_REWIND = 1
@@ -395,12 +396,11 @@ COPY_SRC_INDEX = 2
 COPY_DST_LEVEL = 3
 COPY_DST_INDEX = 4
 
-LATE_PAGE = 0
-LATE_TICK = 1
+LRU_HEAD = 0
+LRU_TAIL = 1
 
-EC_DROPPABLE = 0
-EC_HELD = 1
-EC_HOST_DROPPABLE = 2
+LG_COUNT = 0
+LG_LOWEST = 1
 
 Q_NUM_BLOCKS = 0
 Q_COMMITTED = 1
@@ -507,7 +507,7 @@ def _check_columns(layout: Layout, prefix: str):
 
 for _layout, _prefix in (
     (BLOCKS, "BLK"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (LOG, "LOG"), (COUNTERS, "CNT"), (POLICY, "POLICY"),
-    (COPIES, "COPY"), (LATE, "LATE"), (EVICT_COUNTS, "EC"), (SEQ_SCALARS, "Q"), (MATCH_RESULT, "RES"),
+    (COPIES, "COPY"), (LRU_LISTS, "LRU"), (LRU_GROUPS, "LG"), (SEQ_SCALARS, "Q"), (MATCH_RESULT, "RES"),
     (LANE, "LN"), (ADD_ARGS, "ADD"), (INSERT_ARGS, "INSERT"), (ADD_PAGE_ARGS, "ADD_PAGE"), (UNLINK_ARGS, "UNLINK"),
     (PAGE_ARGS, "PAGE_ARG"), (DROP_ARGS, "DROP"), (BLOCK_ARGS, "BLOCK_ARG"), (ANNOUNCE_ARGS, "ANNOUNCE"), (EVICT_ARGS, "EVICT"),
     (TREE_OUT, "OUT"), (SETUP_ARGS, "SETUP"), (RESIZE_ARGS, "RESIZE"), (COMMIT_ARGS, "COMMIT"), (CLOSE_ARGS, "CLOSE"),

@@ -1,32 +1,27 @@
 """The eviction controller (docs/semantics.md §2.11).
 
-One prioritized LRU per (life cycle, cache level), kept implicitly: a page's
-place is ``(priority, lru_tick)``. Every ownership change of a page goes
-through ``schedule`` (the tail) or ``schedule_first`` (the head). The host's
-batched pass (``gpukv/evict.py``, with the candidate mask of ``evictable``)
-lists the best candidates of each pool before a launch that may need room;
-pages scheduled during the launch go to the late list; a full scan is the
-fallback when neither can answer. ``make_room`` evicts: GPU victims migrate to
-the host tier when there is one, others die (``drop``).
+One prioritized LRU per (life cycle, cache level): a page's place is
+``(priority, lru_tick)``. Every ownership change of a page goes through
+``schedule`` (the tail) or ``schedule_first`` (the head), and every change of
+what makes a page a candidate (its state, holders, locks, level) is followed by
+``lru_update``, which moves it into the list it now belongs in
+(``kernels/lru.py``) or out of all of them. Candidates are therefore always
+listed, in order, and nothing else is: the next victim is the best head of at
+most two groups of lists, held pages apart from unheld ones because a held page
+is a candidate only while the host tier has room for it. ``make_room`` evicts:
+GPU victims migrate to the host tier when there is one, others die (``drop``).
 """
 
 from __future__ import annotations
-
-import functools
 
 from ..core.layout import (
     CNT_DROPPED,
     CNT_EVICTED,
     CNT_EVICT_FIRST,
-    CNT_LATE_LEN,
     CNT_MIGRATED,
     CNT_TICK,
-    EC_DROPPABLE,
-    EC_HELD,
-    EC_HOST_DROPPABLE,
     EV_UPDATED,
-    LATE_PAGE,
-    LATE_TICK,
+    LG_COUNT,
     LOG_LEVEL,
     LOG_OLD_LEVEL,
     LOG_PRIORITY,
@@ -39,16 +34,17 @@ from ..core.layout import (
     PAGE_LEVEL,
     PAGE_LIFE_CYCLE,
     PAGE_LOCKS,
+    PAGE_LRU_LIST,
     PAGE_LRU_TICK,
     PAGE_POOL_INDEX,
     PAGE_PRIORITY,
     PAGE_STATE,
 )
-from ..core.backend import cpu_kernel, launch_stream
-from .link import helper, link
+from .link import helper
 from .blocks import page_death
 from .index import is_attached
 from .log import log
+from .lru import lru_best, lru_group, lru_insert, lru_list, lru_unlink
 from .pages import (
     can_replace_page,
     free_page,
@@ -73,17 +69,35 @@ def evictable(S, p):
     return S.pages[p, PAGE_LEVEL] < last_level(S, S.pages[p, PAGE_LIFE_CYCLE])
 
 
-@helper(inline=False)  # a call: with evictable inside, a dozen inlined copies in the seq kernel
+@helper
+def candidate_list(S, p):
+    """The list ``p`` belongs in, or NULL when it is no eviction candidate."""
+    if not evictable(S, p):
+        return NULL
+    group = lru_group(pool_of(S.pages[p, PAGE_LIFE_CYCLE], S.pages[p, PAGE_LEVEL]),
+                      1 if S.pages[p, PAGE_HOLDERS] > 0 else 0)
+    return lru_list(group, S.pages[p, PAGE_PRIORITY])
+
+
+@helper
+def lru_update(S, p):
+    """After a change of what ``evictable`` depends on (the tick unchanged):
+    ``p`` moves to the list it belongs in now, keeping its place in time."""
+    want = candidate_list(S, p)
+    if want != S.pages[p, PAGE_LRU_LIST]:
+        lru_unlink(S, p)
+        if want != NULL:
+            lru_insert(S, p, want)
+
+
+@helper(inline=False)  # a call: with evictable inside, many inlined copies otherwise
 def enter_lru(S, p, t):
-    """``p`` takes its place ``t`` in its LRU; an evictable page also goes on
-    the launch's late list, which the batched pass before it could not see."""
+    """``p`` takes its place ``t`` in its LRU (or leaves it, if no candidate)."""
+    lru_unlink(S, p)
     S.pages[p, PAGE_LRU_TICK] = t
-    if evictable(S, p):
-        n = S.counters[CNT_LATE_LEN]
-        if n < S.late.shape[0]:
-            S.late[n, LATE_PAGE] = p
-            S.late[n, LATE_TICK] = t
-        S.counters[CNT_LATE_LEN] = n + 1  # beyond the capacity it counts an overflow
+    want = candidate_list(S, p)
+    if want != NULL:
+        lru_insert(S, p, want)
 
 
 @helper
@@ -102,13 +116,6 @@ def schedule_first(S, p):
 
 
 @helper
-def is_candidate(S, p, lc, level):
-    if S.pages[p, PAGE_LIFE_CYCLE] != lc or S.pages[p, PAGE_LEVEL] != level or not evictable(S, p):
-        return False
-    return S.pages[p, PAGE_HOLDERS] == 0 or S.no_host_room[lc] == 0
-
-
-@helper
 def evicts_before(S, p, q):
     """Eviction order: lower priority first, then least recently scheduled."""
     if q == NULL:
@@ -120,31 +127,15 @@ def evicts_before(S, p, q):
 
 @helper(inline=False)
 def next_victim(S, lc, level):
-    """The page to evict next from (lc, level), or NULL when none may go."""
+    """The page to evict next from (lc, level), or NULL when none may go:
+    the better of the unheld pages' best and, while the host tier has room
+    for them, the held pages' best."""
     pool = pool_of(lc, level)
-    listed = NULL
-    while S.victim_next[pool] < S.victim_count[pool]:
-        i = S.victim_next[pool]
-        v = S.victims[pool, i]
-        if S.pages[v, PAGE_LRU_TICK] == S.victim_ticks[pool, i] and is_candidate(S, v, lc, level):
-            listed = v
-            break
-        S.victim_next[pool] = i + 1  # evicted, rescheduled or taken since it was listed
-    best = listed
-    n = S.counters[CNT_LATE_LEN]
-    for j in range(min(n, S.late.shape[0])):
-        v = S.late[j, LATE_PAGE]
-        if S.pages[v, PAGE_LRU_TICK] == S.late[j, LATE_TICK] and is_candidate(S, v, lc, level) and evicts_before(S, v, best):
-            best = v
-    unknown = S.victim_total[pool] < 0 or S.victim_total[pool] > S.victim_count[pool] or n > S.late.shape[0]
-    if best == NULL and unknown:
-        start = S.row_start[lc]
-        end = start + S.pool_size[pool_of(lc, 0)] + S.pool_size[pool_of(lc, 1)]
-        for v in range(start, end):
-            if is_candidate(S, v, lc, level) and evicts_before(S, v, best):
-                best = v
-    if best != NULL and best == listed:
-        S.victim_next[pool] += 1
+    best = lru_best(S, lru_group(pool, 0))
+    if S.no_host_room[lc] == 0:
+        held = lru_best(S, lru_group(pool, 1))
+        if held != NULL and evicts_before(S, held, best):
+            best = held
     return best
 
 
@@ -231,27 +222,12 @@ def can_have(S, lc, own_held, need):
 
 @helper(inline=False)
 def available(S, lc, own_held):
-    """Free GPU slots of ``lc`` plus what eviction may free (a lower bound).
-    Counted by the batched pass when it ran before the launch (it does
-    whenever free slots look short), else by a scan."""
+    """Free GPU slots of ``lc`` plus what eviction may free (a lower bound),
+    from the candidate counts the lists keep."""
     pool = pool_of(lc, 0)
-    if S.victim_total[pool] >= 0:  # counted by the batched pass before the launch
-        droppable = S.evict_counts[lc, EC_DROPPABLE]
-        held = S.evict_counts[lc, EC_HELD]
-        host_droppable = S.evict_counts[lc, EC_HOST_DROPPABLE]
-    else:
-        droppable = 0
-        held = 0
-        host_droppable = 0
-        start = S.row_start[lc]
-        for p in range(start, start + S.pool_size[pool] + S.pool_size[pool_of(lc, 1)]):
-            if evictable(S, p):
-                if S.pages[p, PAGE_LEVEL] == 1:
-                    host_droppable += 1
-                elif S.pages[p, PAGE_HOLDERS] == 0:
-                    droppable += 1
-                else:
-                    held += 1
+    droppable = S.lru_groups[lru_group(pool, 0), LG_COUNT]
+    held = S.lru_groups[lru_group(pool, 1), LG_COUNT]
+    host_droppable = S.lru_groups[lru_group(pool_of(lc, 1), 0), LG_COUNT]
     free = S.pool_top[pool] + droppable
     if last_level(S, lc) == 0:
         return free
@@ -260,18 +236,9 @@ def available(S, lc, own_held):
 
 @helper
 def begin_launch(S):
-    S.counters[CNT_LATE_LEN] = 0
+    """Held pages may migrate again: the host tier's room is judged afresh."""
     for lc in range(S.no_host_room.shape[0]):
         S.no_host_room[lc] = 0
-
-
-@helper
-def end_launch(S):
-    """Victim lists are good for one launch only."""
-    for pool in range(S.victim_count.shape[0]):
-        S.victim_count[pool] = 0
-        S.victim_next[pool] = 0
-        S.victim_total[pool] = -1
 
 
 @helper(inline=False)
@@ -287,40 +254,3 @@ def install_page(S, r, lc, p, cov):
     replace_page(S, r, lc, p)
     schedule(S, p)
     return True
-
-# -- the candidate mask of the host's batched pass ------------------------------------
-@helper
-def mark_evictable(S, start, i, mask):
-    mask[i] = 1 if evictable(S, start + i) else 0
-
-
-@functools.lru_cache(maxsize=None)
-def build_evictable_kernel(target: str):
-    """``run(S, start, n, mask)``: ``mask[i] = evictable(page start + i)`` for
-    ``i < n`` (int8). The batched pass (``gpukv/evict.py``) orders these
-    candidates; the kernels' own choice between them uses the same test."""
-    k = link(target)
-    if target == "cpu":
-        return cpu_kernel(k.kernel(_mask_cpu))
-
-    from numba import cuda
-
-    kernel = cuda.jit(k.kernel(_mask_cuda, cuda=cuda))
-    threads = 128
-
-    def run(S, start, n, mask):
-        if n:
-            kernel[(n + threads - 1) // threads, threads, launch_stream()](S, start, n, mask)
-
-    return run
-
-
-def _mask_cpu(S, start, n, mask):
-    for i in range(n):
-        mark_evictable(S, start, i, mask)
-
-
-def _mask_cuda(S, start, n, mask):
-    i = cuda.grid(1)  # noqa: F821 (bound by Linked.kernel)
-    if i < n:
-        mark_evictable(S, start, i, mask)

@@ -40,6 +40,7 @@ from ..core.layout import (
     slot_row,
 )
 from .link import helper
+from .lru import lru_unlink
 
 
 NUM_LEVELS = 2  # cache levels: 0 = GPU, 1 = host
@@ -119,6 +120,7 @@ def alloc_page(S, lc, level, priority):
 @helper(inline=False)  # a call: one copy for every caller compiles faster
 def free_page(S, p):
     lc = S.pages[p, PAGE_LIFE_CYCLE]
+    lru_unlink(S, p)  # a free row is never an eviction candidate
     push_storage(S, lc, S.pages[p, PAGE_LEVEL], S.pages[p, PAGE_POOL_INDEX])
     top = S.row_top[lc]
     S.row_free[S.row_start[lc] + top] = p

@@ -55,7 +55,7 @@ from ..core.layout import (  # noqa: F401 (the scalars and reference kinds are r
     USER_STOP,
     VIRTUAL_STOP,
 )
-from .evict import begin_launch, end_launch
+from .evict import begin_launch
 from .link import helper, link
 from .seq_close import close
 from .seq_commit import commit, stop_committing
@@ -135,20 +135,6 @@ SeqPool = namedtuple(
 )
 
 
-@helper
-def forget_eviction_counts(S):
-    """What the host's pass counted before the launch stops being true once
-    a cache of the batch has allocated or released: later all-or-nothing
-    checks count again (``available`` scans), as a launch of their own would
-    find them counted afresh. A held page skipped for want of host room is
-    tried again, as a new launch would."""
-    for pool in range(S.victim_total.shape[0]):
-        if S.victim_total[pool] >= 0:
-            S.victim_total[pool] = -1
-    for lc in range(S.no_host_room.shape[0]):
-        S.no_host_room[lc] = 0
-
-
 # The work list of one launch (``work``: int64 [n + 1, BATCH_WIDTH]): row i
 # names item i's slot and op, and where its input starts in the flat token
 # and path arrays; row n only ends the last item's input.
@@ -167,10 +153,8 @@ def seq_batch(S, P, work, tokens, path):
     BATCH_TOKENS]]`` (a commit's at its first position, reuse setup's from
     0) and matched blocks from ``path`` likewise."""
     T = S.tokens.shape[1]
-    begin_launch(S)
     for i in range(work.shape[0] - 1):
-        if i > 0:
-            forget_eviction_counts(S)
+        begin_launch(S)  # each item judges the host tier's room afresh, as its own launch would
         # Slot s's SeqTables: views of its rows of the pool, the arrays the
         # single-cache code was written for.
         s = work[i, BATCH_SLOT]
@@ -189,7 +173,6 @@ def seq_batch(S, P, work, tokens, path):
         for j in range(work[i + 1, BATCH_PATH] - p0):
             Q.path[j] = path[p0 + j]
         seq_step(S, Q, op)
-    end_launch(S)
 
 
 @functools.lru_cache(maxsize=None)

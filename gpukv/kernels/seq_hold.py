@@ -32,7 +32,7 @@ from ..core.layout import (
 )
 from .link import helper
 from .blocks import maybe_free_orphan, page_death
-from .evict import make_room, move_page, schedule, schedule_first
+from .evict import lru_update, make_room, move_page, schedule, schedule_first
 from .index import is_attached
 from .pages import alloc_page, free_page
 
@@ -42,6 +42,7 @@ def hold(S, p, kind):
     S.pages[p, PAGE_HOLDERS] += 1
     if kind == LOCK:
         S.pages[p, PAGE_LOCKS] += 1
+    lru_update(S, p)  # locked: no candidate; first held: among the held ones, same tick
 
 
 @helper(inline=False)
@@ -55,7 +56,7 @@ def release(S, Q, p, kind):
     if S.pages[p, PAGE_HOLDERS] > 0:
         if kind == LOCK and S.pages[p, PAGE_LOCKS] == 0:
             schedule(S, p)  # held, unlocked (committed or not): evictable when a colder level exists
-        return
+        return  # otherwise still held (or still locked): its candidacy is unchanged
     if S.pages[p, PAGE_STATE] == PAGE_UNCOMMITTED:
         free_page(S, p)
         return
@@ -153,6 +154,7 @@ def set_all_kinds(S, Q, kind):
             if p != NULL and Q.kinds[o, lc] != kind:
                 if kind == LOCK:
                     S.pages[p, PAGE_LOCKS] += 1
+                    lru_update(S, p)  # locked: no candidate
                 else:
                     S.pages[p, PAGE_LOCKS] -= 1
                 Q.kinds[o, lc] = kind
@@ -164,3 +166,5 @@ def set_all_kinds(S, Q, kind):
         Q.scalars[Q_SSM_KIND] = kind
         if kind == HOLD:
             schedule(S, p)
+        else:
+            lru_update(S, p)  # locked: no candidate

@@ -67,7 +67,7 @@ from .blocks import (
     page_death,
     remove_subtree,
 )
-from .evict import begin_launch, end_launch, install_page, make_room, schedule
+from .evict import begin_launch, install_page, lru_update, make_room, schedule
 from .index import is_root
 from .link import helper, link
 from .log import announce
@@ -136,6 +136,10 @@ def insert_sequence(S, args, toks, out):
             if can_replace_page(S, r, lc, n):
                 p = alloc_page(S, lc, 0, DEFAULT_PRIORITY)
                 if p == NULL:
+                    for done in range(lc):  # pages put in above are never scheduled: candidates at tick NULL
+                        q = page_of(S, r, done)
+                        if q != NULL:
+                            lru_update(S, q)
                     r = NULL
                     break
                 S.pages[p, PAGE_COVERAGE] = n
@@ -217,7 +221,6 @@ def tree_step(S, op, args, toks, out):
 def tree_op(S, op, args, toks, out):
     begin_launch(S)
     tree_step(S, op, args, toks, out)
-    end_launch(S)
 
 
 def build_tree(target: str):

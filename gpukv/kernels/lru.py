@@ -1,0 +1,129 @@
+"""The eviction controller's ordered lists (docs/semantics.md §2.11).
+
+Eviction candidates sit in doubly linked lists threaded through the page rows
+(``PAGE_LRU_PREV`` / ``PAGE_LRU_NEXT``), one list per (life cycle, cache
+level, held or not, priority), each kept sorted by ``lru_tick``, oldest at the
+head. A page is in at most one list (``PAGE_LRU_LIST``, NULL for none).
+Lists of one (life cycle, level, held) form a group that counts its members
+and remembers a lower bound of its lowest non-empty priority, so the best
+candidate of a group is found without looking at every priority and the
+counts of what eviction could free are read, not counted.
+
+Which list a page belongs in is the controller's business (``evict.py``);
+this module only links, unlinks and orders, so freeing a page
+(``pages.free_page``) can take it out without knowing the rules.
+"""
+
+from __future__ import annotations
+
+from ..core.config import PRIORITY_MAX, PRIORITY_MIN
+from ..core.layout import (
+    LG_COUNT,
+    LG_LOWEST,
+    LRU_HEAD,
+    LRU_TAIL,
+    NULL,
+    PAGE_LRU_LIST,
+    PAGE_LRU_NEXT,
+    PAGE_LRU_PREV,
+    PAGE_LRU_TICK,
+)
+from .link import helper
+
+NUM_PRIORITIES = PRIORITY_MAX - PRIORITY_MIN + 1
+NUM_HELD = 2  # 0: nobody holds the page, 1: held (a candidate only while the host tier has room)
+
+
+@helper
+def lru_group(pool, held):
+    """The group of ``pool`` (= ``pool_of(lc, level)``) for held or unheld pages."""
+    return pool * NUM_HELD + held
+
+
+@helper
+def lru_list(group, priority):
+    return group * NUM_PRIORITIES + priority - PRIORITY_MIN
+
+
+@helper
+def lru_unlink(S, p):
+    """Take ``p`` out of its list, if it is in one."""
+    lst = S.pages[p, PAGE_LRU_LIST]
+    if lst == NULL:
+        return
+    prv = S.pages[p, PAGE_LRU_PREV]
+    nxt = S.pages[p, PAGE_LRU_NEXT]
+    if prv == NULL:
+        S.lru_lists[lst, LRU_HEAD] = nxt
+    else:
+        S.pages[prv, PAGE_LRU_NEXT] = nxt
+    if nxt == NULL:
+        S.lru_lists[lst, LRU_TAIL] = prv
+    else:
+        S.pages[nxt, PAGE_LRU_PREV] = prv
+    S.pages[p, PAGE_LRU_LIST] = NULL
+    S.pages[p, PAGE_LRU_PREV] = NULL
+    S.pages[p, PAGE_LRU_NEXT] = NULL
+    S.lru_groups[lst // NUM_PRIORITIES, LG_COUNT] -= 1
+
+
+@helper
+def lru_link_after(S, p, lst, prv):
+    """Link ``p`` into ``lst`` right after ``prv`` (NULL: at the head)."""
+    nxt = S.lru_lists[lst, LRU_HEAD] if prv == NULL else S.pages[prv, PAGE_LRU_NEXT]
+    S.pages[p, PAGE_LRU_PREV] = prv
+    S.pages[p, PAGE_LRU_NEXT] = nxt
+    if prv == NULL:
+        S.lru_lists[lst, LRU_HEAD] = p
+    else:
+        S.pages[prv, PAGE_LRU_NEXT] = p
+    if nxt == NULL:
+        S.lru_lists[lst, LRU_TAIL] = p
+    else:
+        S.pages[nxt, PAGE_LRU_PREV] = p
+    S.pages[p, PAGE_LRU_LIST] = lst
+    g = lst // NUM_PRIORITIES
+    S.lru_groups[g, LG_COUNT] += 1
+    priority = lst - g * NUM_PRIORITIES + PRIORITY_MIN
+    if priority < S.lru_groups[g, LG_LOWEST]:
+        S.lru_groups[g, LG_LOWEST] = priority
+
+
+@helper
+def lru_insert(S, p, lst):
+    """Link ``p`` (in no list) into ``lst`` at its tick's place.
+
+    A page scheduled now has the newest tick and one pushed to the head the
+    oldest, so the common cases stop at the first comparison. A page that
+    becomes a candidate of another list keeping its tick (a cached page a
+    new sequence holds) lands anywhere: the search runs from both ends at
+    once, so it costs the distance to the nearer end."""
+    t = S.pages[p, PAGE_LRU_TICK]
+    back = S.lru_lists[lst, LRU_TAIL]  # every page after ``back`` is newer than p
+    front = S.lru_lists[lst, LRU_HEAD]  # every page before ``front`` is older than p
+    while back != NULL:
+        if S.pages[back, PAGE_LRU_TICK] <= t:
+            lru_link_after(S, p, lst, back)
+            return
+        if S.pages[front, PAGE_LRU_TICK] > t:
+            lru_link_after(S, p, lst, S.pages[front, PAGE_LRU_PREV])
+            return
+        back = S.pages[back, PAGE_LRU_PREV]
+        front = S.pages[front, PAGE_LRU_NEXT]
+    lru_link_after(S, p, lst, NULL)  # older than every page: the head (or an empty list)
+
+
+@helper
+def lru_best(S, group):
+    """The head of the group's lowest non-empty priority, or NULL; raises the
+    group's lower bound past the empty priorities it looked at."""
+    if S.lru_groups[group, LG_COUNT] == 0:
+        return NULL
+    priority = S.lru_groups[group, LG_LOWEST]
+    while priority <= PRIORITY_MAX:
+        head = S.lru_lists[lru_list(group, priority), LRU_HEAD]
+        if head != NULL:
+            S.lru_groups[group, LG_LOWEST] = priority
+            return head
+        priority += 1
+    return NULL  # unreachable while the count is right
