@@ -29,7 +29,6 @@ import numpy as np
 
 from .arena import TokenSequence
 from .core.config import check_priority
-from .core.kinds import has_window, is_checkpoint
 from .core.layout import (
     ACTIVE,
     CLOSED,
@@ -47,7 +46,7 @@ from .core.scope import as_scope
 from .kernels.seq import SEQ_CLOSE, SEQ_COMMIT, SEQ_RESIZE, SEQ_RESUME, SEQ_SETUP_REUSE, SEQ_STOP
 from .kernels.sha256 import digest_to_int64x4
 from .launcher import BusyError, LogicError
-from .cache_pool import ranges
+from .cache_pool import pools_can_hold, ranges
 from .tokens import ValidTokens, check_flat, flatten, token_array
 
 _slot_of = attrgetter("_slot")
@@ -226,7 +225,7 @@ class BatchCalls:
                 f"{what}: caches[{i}]: cannot shrink the capacity while scratch slots are held (suspend first)"))
         blocks = -(-cap // self.T)
         have = S[slots, Q_NUM_BLOCKS]
-        ok = self._pools_can_hold(have, blocks, hist)
+        ok = np.broadcast_to(pools_can_hold(self.pool.hold_rules, self.T, have, blocks, hist), (n,))
         out = np.zeros(n, dtype=bool)
         go = np.flatnonzero(ok)
         if not go.size:
@@ -241,25 +240,6 @@ class BatchCalls:
         self.launch(slots_go, np.full(go.size, SEQ_RESIZE, dtype=np.int64), need=need)
         out[go] = S[slots_go, Q_RESULT] != 0
         return out
-
-    def _pools_can_hold(self, have, blocks, hist) -> np.ndarray:
-        """Per cache, as ``KVCache._pools_can_hold``: no life cycle needs more
-        new pages than its whole GPU pool has."""
-        config = self.config
-        T = self.T
-        ok = np.ones(len(have), dtype=bool)
-        for life, pool in zip(config.life_cycles, config.pages_per_life_cycle_list()):
-            if is_checkpoint(life.kind):
-                continue
-            if not has_window(life.kind):
-                first_new = have
-            elif config.swa_scratch_reuse is None:
-                start = np.minimum(-(-hist // T), life.num_sink_blocks)
-                first_new = np.maximum(have, np.maximum(start, (hist + 1 - life.window) // T))
-            else:
-                continue
-            ok &= blocks - first_new <= pool
-        return ok
 
     def commit(self, caches, tokens, is_end=False) -> None:
         what = "commit_batch()"

@@ -43,7 +43,7 @@ from .kernels.seq import (
     USER_STOP,
 )
 from .core.config import DEFAULT_PRIORITY, check_priority
-from .core.kinds import NO_DROP, has_window, is_checkpoint, planned_drop_start
+from .core.kinds import NO_DROP, planned_drop_start
 from .core.layout import (
     NULL,
     PAGE_LEVEL,
@@ -52,7 +52,7 @@ from .core.layout import (
     SLOT_PAGE,
     slot_row,
 )
-from .cache_pool import FIRST_BLOCKS, CachePool
+from .cache_pool import FIRST_BLOCKS, CachePool, pools_can_hold
 from .launcher import BusyError, Launcher, LogicError, serialized
 from .matching import Matcher
 from .tables import Tables, scratch_width
@@ -260,7 +260,7 @@ class KVCache:
             if cap < self.capacity and self._backend.to_host(self._q.scratch_count).any():
                 raise ValueError("cannot shrink the capacity while scratch slots are held (suspend first)")
         blocks = -(-cap // self._T)
-        if not self._pools_can_hold(blocks, hist):
+        if not pools_can_hold(self._pool.hold_rules, self._T, int(self._scalars[Q_NUM_BLOCKS]), blocks, hist):
             return False  # before anything is allocated for the new blocks
         self._reserve(blocks)
         self._fill_priorities(blocks)
@@ -362,27 +362,6 @@ class KVCache:
     def _setup_reuse(self, tokens: np.ndarray, num_tokens: int, blocks: np.ndarray):
         self._reserve(len(blocks))
         self._launch(SEQ_SETUP_REUSE, num_tokens, len(blocks), tokens=tokens[:num_tokens], path=blocks)
-
-    def _pools_can_hold(self, blocks: int, history: int) -> bool:
-        """False when some life cycle would need more new pages for ``blocks``
-        blocks than its whole GPU pool has (an ACTIVE cache keeps its pages
-        locked on the GPU): full attention needs one per new block, a sliding
-        window one per new block past its stale range (without scratch reuse,
-        which shares slots)."""
-        config = self._config
-        have = int(self._scalars[Q_NUM_BLOCKS])
-        for life, pool in zip(config.life_cycles, config.pages_per_life_cycle_list()):
-            if is_checkpoint(life.kind):
-                continue  # one live state, whatever the length
-            if not has_window(life.kind):
-                first_new = have
-            elif config.swa_scratch_reuse is None:
-                first_new = max(have, life.stale_range(history, self._T)[1])
-            else:
-                continue  # scratch reuse shares slots
-            if blocks - first_new > pool:
-                return False
-        return True
 
     def _reserve(self, blocks: int):
         """Room for ``blocks`` blocks in this cache's segment of the pool."""

@@ -24,6 +24,7 @@ import weakref
 import numpy as np
 
 from .core.config import DEFAULT_PRIORITY
+from .core.kinds import has_window, is_checkpoint
 from .core.layout import NULL, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_WIDTH, SEQ_ARGS_WIDTH, TREE_OUT
 from .kernels.seq import BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, SeqPool, SeqTables, build_seq_kernel
 from .tables import scratch_width
@@ -46,6 +47,34 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + shift
 
 
+def hold_rules(config) -> tuple:
+    """``(window, sink blocks, GPU pool pages)`` of each life cycle whose new
+    blocks need pages of their own while a cache is ACTIVE (``window`` 0 for
+    full attention); checkpoints keep one live state whatever the length, and
+    with scratch reuse a window's blocks share slots."""
+    rules = []
+    for life, pool in zip(config.life_cycles, config.pages_per_life_cycle_list()):
+        if is_checkpoint(life.kind) or (has_window(life.kind) and config.swa_scratch_reuse is not None):
+            continue
+        rules.append((life.window if has_window(life.kind) else 0, life.num_sink_blocks, pool))
+    return tuple(rules)
+
+
+def pools_can_hold(rules, T: int, have, blocks, history):
+    """False (per cache, for arrays) when some life cycle would need more new
+    pages for ``blocks`` blocks than its whole GPU pool has: full attention
+    one per new block past the ``have`` the cache holds, a sliding window one
+    per new block past its stale range at ``history`` (``LifeCycle.stale_range``)."""
+    ok = True
+    for window, sinks, pool in rules:
+        first_new = have
+        if window:
+            start = np.minimum(-(-history // T), sinks)
+            first_new = np.maximum(have, np.maximum(start, (history + 1 - window) // T))
+        ok = ok & (blocks - first_new <= pool)
+    return ok
+
+
 class CachePool:
     def __init__(self, config, backend):
         self.backend = backend
@@ -53,6 +82,7 @@ class CachePool:
         self.L = len(config.life_cycles)
         self.width = max(self.L, 1)
         self.scratch_width = scratch_width(config)
+        self.hold_rules = hold_rules(config)
         self.run = build_seq_kernel(backend.target)
         self._on_gpu = backend.on_gpu
         self.gen = 0  # bumped whenever a segment moves or an array is replaced
