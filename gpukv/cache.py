@@ -122,8 +122,7 @@ class KVCache:
         self._slot = slot
         # The host copy of the cache's scalars, refreshed after every launch: a
         # row of the pool's, re-pointed by the pool when that grows.
-        self._scalars = ctx.pool.host_scalars[slot]
-        ctx.pool.caches[slot] = self
+        self._scalar_row = (-1, None)
         self._slot_array = np.array([slot], dtype=np.int64)
         self._views = None  # (pool generation, SeqTables views)
         self._serial = int(ctx.pool.serial[slot])
@@ -143,6 +142,16 @@ class KVCache:
         if v is None or v[0] != pool.gen:
             v = self._views = (pool.gen, pool.view(self._slot))
         return v[1]
+
+    @property
+    def _scalars(self) -> np.ndarray:
+        """This cache's row of the pool's host scalars (refreshed by every
+        launch); re-taken when the pool has replaced its arrays."""
+        r = self._scalar_row
+        pool = self._pool
+        if r[0] != pool.gen:
+            r = self._scalar_row = (pool.gen, pool.host_scalars[self._slot])
+        return r[1]
 
     @property
     def _priorities_known(self) -> int:

@@ -19,7 +19,6 @@ cache still answers its committed tokens until then).
 from __future__ import annotations
 
 import itertools
-import weakref
 
 import numpy as np
 
@@ -93,9 +92,9 @@ class CachePool:
         # Ordinals whose page priorities the slot's callback gave (NO_CALLBACK: none to ask).
         self.priorities_known = np.zeros(0, dtype=np.int64)
         self._free: list[int] = []  # free slots, a stack
-        self.caches = weakref.WeakValueDictionary()  # slot -> its cache (to re-point its scalars)
         self._released: list[int] = []  # slots of collected caches (appended from finalizers)
         self.arrays: SeqPool | None = None
+        self._synced_seg = None  # the seg the kernels' copy was made from
         xp = backend.xp
         self._work1 = np.zeros((2, BATCH_WIDTH), dtype=np.int64)  # the work list of a per-cache call
         self._no_tokens = xp.zeros(0, dtype=np.int32)
@@ -150,6 +149,7 @@ class CachePool:
             self._free.append(s)
 
     def _grow_slots(self, n: int):
+        self.gen += 1  # views taken before are stale from here on, whatever happens next
         old = self.seg.shape[0]
         b = self.backend
         xp = b.xp
@@ -174,19 +174,18 @@ class CachePool:
         serial[:old] = self.serial
         known = np.zeros(n, dtype=np.int64)
         known[:old] = self.priorities_known
-        self.seg, self.used, self.serial, self.priorities_known = seg, used, serial, known
-        self._free[:0] = list(range(n - 1, old - 1, -1))  # lowest slots taken first
-        if self.arrays is None:
-            self.arrays = SeqPool(**{f: None for f in SeqPool._fields})
-        self.arrays = self.arrays._replace(**fresh)
+        arrays = (self.arrays or SeqPool(**{f: None for f in SeqPool._fields}))._replace(**fresh)
         host = fresh["scalars"]
         if b.on_gpu:
             host = np.zeros((n, Q_WIDTH), dtype=np.int64)
             if old:
                 host[:old] = self.host_scalars
-        self.host_scalars = host  # the scalars as last read back (the array itself off the GPU)
-        for s, kv in list(self.caches.items()):
-            kv._scalars = host[s]
+        # One step, so an exception anywhere in this method leaves the pool
+        # either as it was or grown; ``host_scalars``: the scalars as last read
+        # back (the device array itself off the GPU).
+        self.arrays, self.host_scalars, self.seg, self.used, self.serial, self.priorities_known = (
+            arrays, host, seg, used, serial, known)
+        self._free[:0] = list(range(n - 1, old - 1, -1))  # lowest slots taken first
         self._sync_seg()
         self.gen += 1
 
@@ -208,6 +207,7 @@ class CachePool:
         need = int(blocks.sum())
         if self.top + need > self.num_rows:
             self._pack(need)
+        self.gen += 1  # views taken before are stale from here on, whatever happens next
         old_base, old_len = self.seg[slots, 0], self.seg[slots, 1]
         top, T = self.top, self.T
         base = top + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
@@ -221,9 +221,10 @@ class CachePool:
                 self._copy_span(A, A, int(old_base[k]), int(base[k]), int(old_len[k]))
         else:
             self._copy_rows(A, A, ranges(old_base[moved], old_len[moved]), ranges(base[moved], old_len[moved]))
-        self.seg[slots, 0] = base
-        self.seg[slots, 1] = blocks
-        self.top += need
+        seg = self.seg.copy()
+        seg[slots, 0] = base
+        seg[slots, 1] = blocks
+        self.seg, self.top = seg, top + need  # one step: the rows and who owns them
         self._sync_seg()
         self.gen += 1
 
@@ -248,6 +249,7 @@ class CachePool:
         """Live segments packed to the front (in slot order), with room for
         ``extra`` more rows after them: in a new pool twice what is needed
         when the present one is too small."""
+        self.gen += 1  # views taken before are stale from here on, whatever happens next
         live = np.flatnonzero(self.used & (self.seg[:, 1] > 0))
         lengths = self.seg[live, 1]
         kept = int(lengths.sum())
@@ -269,18 +271,21 @@ class CachePool:
         base = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         if kept:
             self._copy_rows(self.arrays, fresh, ranges(self.seg[live, 0], lengths), ranges(base, lengths))
-        self.seg[live, 0] = base
-        self.arrays = fresh
-        self.top = kept
+        seg = self.seg.copy()
+        seg[live, 0] = base
+        self.arrays, self.seg, self.top = fresh, seg, kept  # one step
         self._sync_seg()
         self.gen += 1
 
     def _sync_seg(self):
+        """The kernels' copy of ``seg`` (on the device, or the host array
+        itself); ``_run`` syncs again when an exception came in between."""
         b = self.backend
         if self.arrays is None:
             return
-        seg = b.to_device(self.seg) if b.on_gpu else self.seg
-        self.arrays = self.arrays._replace(seg=seg)
+        seg = self.seg
+        self.arrays = self.arrays._replace(seg=b.to_device(seg) if b.on_gpu else seg)
+        self._synced_seg = seg
 
     # -- views and launches --------------------------------------------------------------
     def view(self, slot: int) -> SeqTables:
@@ -329,6 +334,8 @@ class CachePool:
         self._run(launcher, work, tokens, path, need, results)
 
     def _run(self, launcher, work, tokens, path, need, results):
+        if self._synced_seg is not self.seg:
+            self._sync_seg()
         b = self.backend
         launcher.launch(
             self.run, self.arrays, b.to_device(work) if self._on_gpu else work,
