@@ -212,14 +212,14 @@ class CachePool:
         top, T = self.top, self.T
         base = top + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
         A = self.arrays
-        for name, fill in _BLOCK_FILL.items():  # the new segments are one stretch from the top
-            getattr(A, name)[top:top + need] = fill
-        A.tokens[top * T:(top + need) * T] = 0
         moved = np.flatnonzero(old_len)
-        if moved.size <= 8:  # the usual case: a resize or two growing one segment each
-            for k in moved.tolist():
-                self._copy_span(A, A, int(old_base[k]), int(base[k]), int(old_len[k]))
+        if slots.size <= 8:  # the usual case: a resize or two growing one segment each
+            for k in range(slots.size):
+                kept = int(old_len[k])
+                self._copy_span(A, A, int(old_base[k]), int(base[k]), kept)
+                self._fill_span(A, int(base[k]) + kept, int(blocks[k]) - kept)
         else:
+            self._fill_span(A, top, need)  # the new segments are one stretch from the top
             self._copy_rows(A, A, ranges(old_base[moved], old_len[moved]), ranges(base[moved], old_len[moved]))
         seg = self.seg.copy()
         seg[slots, 0] = base
@@ -234,6 +234,12 @@ class CachePool:
         for name in _BLOCK_FILL:
             getattr(dst_arrays, name)[d:d + n] = getattr(src_arrays, name)[s:s + n]
         dst_arrays.tokens[d * T:(d + n) * T] = src_arrays.tokens[s * T:(s + n) * T]
+
+    def _fill_span(self, arrays, d: int, n: int):
+        """Block rows ``[d, d + n)`` as no cache wrote them."""
+        for name, fill in _BLOCK_FILL.items():
+            getattr(arrays, name)[d:d + n] = fill
+        arrays.tokens[d * self.T:(d + n) * self.T] = 0
 
     def _copy_rows(self, src_arrays, dst_arrays, src, dst):
         """Block rows ``src`` to ``dst`` (index arrays)."""
@@ -254,8 +260,12 @@ class CachePool:
         lengths = self.seg[live, 1]
         kept = int(lengths.sum())
         rows = self.num_rows
-        if kept + extra > rows // 2 or rows == 0:
-            rows = max(64, 2 * (kept + extra))
+        # Room after packing for every live segment to double once more
+        # (their next moves), so packs, which copy every live row, come once
+        # per doubling of the caches and not every few moves.
+        target = 3 * kept + extra
+        if rows < target:
+            rows = max(64, 2 * target)
         xp = self.backend.xp
         L, W, T = self.L, self.width, self.T
         # Left unwritten: rows past the top are filled when a segment takes them.
@@ -269,7 +279,10 @@ class CachePool:
             **{f: getattr(self.arrays, f) for f in SeqPool._fields[6:]},
         )
         base = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        if kept:
+        if kept >= 16 * live.size:  # long segments: a slice copy each beats a gather of every row
+            for src, dst, n in zip(self.seg[live, 0].tolist(), base.tolist(), lengths.tolist()):
+                self._copy_span(self.arrays, fresh, src, dst, n)
+        elif kept:
             self._copy_rows(self.arrays, fresh, ranges(self.seg[live, 0], lengths), ranges(base, lengths))
         seg = self.seg.copy()
         seg[live, 0] = base
