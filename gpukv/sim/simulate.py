@@ -615,7 +615,7 @@ class Simulator:
             r.kv = kv
             done_before.append(r.done)
             r.done = c
-            k = self._step_tokens(r, budget)
+            k = max(0, self._step_tokens(r, budget))  # 0 only if the reuse were shorter than matched
             ks.append(k)
             budget -= k
         grown = self._resize_batch(picked[:n], ks)
