@@ -113,6 +113,7 @@ class CachePool:
         del self._free[len(self._free) - n:]
         self.used[slots] = True
         self.seg[slots] = 0
+        self._synced_seg = None  # changed in place: the kernels' copy is re-made at the next launch
         self.serial[slots] = np.fromiter(itertools.islice(_SERIALS, n), dtype=np.int64, count=n)
         self.priorities_known[slots] = NO_CALLBACK
         rows = np.zeros((n, Q_WIDTH), dtype=np.int64)
@@ -145,6 +146,7 @@ class CachePool:
             s = self._released.pop()
             self.used[s] = False
             self.seg[s] = 0
+            self._synced_seg = None
             self.serial[s] = -1
             self._free.append(s)
 
