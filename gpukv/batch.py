@@ -183,8 +183,10 @@ class BatchCalls:
 
     def launch(self, slots, ops, *, need=0, log_blocks=0, tokens=None, tokens_off=None, path=None, path_off=None,
                closing=None):
-        """One launch over ``slots``; ``need``: GPU pages all of them may allocate
-        per life cycle; ``log_blocks``: what they may log beyond their segments."""
+        """One launch over ``slots``; the change log gets room for their
+        segments, ``need`` (GPU pages all of them may allocate per life cycle,
+        each of which may evict a victim) and ``log_blocks`` (what they may log
+        beyond their segments)."""
         pool = self.pool
         k = pool.scratch_width
         self.tables.ensure_log(int(pool.seg[slots, 1].sum()) + len(slots) * (k + 8) + log_blocks + need)
@@ -195,8 +197,7 @@ class BatchCalls:
             if closing is not None:
                 open_caches.difference_update(closing)
 
-        pool.launch(self.launcher, slots, ops, tokens, tokens_off, path, path_off,
-                    need=[need] * self.L if need else None, results=results)
+        pool.launch(self.launcher, slots, ops, tokens, tokens_off, path, path_off, results=results)
 
     # -- calls --------------------------------------------------------------------------
     def resize(self, caches, capacities, history_lengths=None) -> np.ndarray:

@@ -411,8 +411,7 @@ class KVCache:
         pool.arrays.args[slot] = self._backend.to_device(a) if pool._on_gpu else a
         # Every block this cache may touch, the pages it may allocate, scratch.
         self._tables.ensure_log(int(pool.seg[slot, 1]) + need + pool.scratch_width + 8)
-        pool.launch_one(self._launcher, slot, op, tokens, path,
-                        need=[need] * self._num_life_cycles if need else None, results=self._after_launch)
+        pool.launch_one(self._launcher, slot, op, tokens, path, results=self._after_launch)
         return bool(self._scalars[Q_RESULT])
 
     def _after_launch(self):

@@ -214,7 +214,6 @@ class CachePool:
         top, T = self.top, self.T
         base = top + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
         A = self.arrays
-        moved = np.flatnonzero(old_len)
         if slots.size <= 8:  # the usual case: a resize or two growing one segment each
             for k in range(slots.size):
                 kept = int(old_len[k])
@@ -222,6 +221,7 @@ class CachePool:
                 self._fill_span(A, int(base[k]) + kept, int(blocks[k]) - kept)
         else:
             self._fill_span(A, top, need)  # the new segments are one stretch from the top
+            moved = np.flatnonzero(old_len)
             self._copy_rows(A, A, ranges(old_base[moved], old_len[moved]), ranges(base[moved], old_len[moved]))
         seg = self.seg.copy()
         seg[slots, 0] = base
@@ -323,12 +323,12 @@ class CachePool:
             b = self.backend
             self.host_scalars[slots] = b.to_host(self.arrays.scalars[b.to_device(np.asarray(slots))])
 
-    def launch(self, launcher, slots, ops, tokens=None, tokens_off=None, path=None, path_off=None, need=None,
+    def launch(self, launcher, slots, ops, tokens=None, tokens_off=None, path=None, path_off=None,
                results=None) -> None:
         """One launch of the sequence kernel: call ``ops[i]`` on slot
         ``slots[i]``, in order, with its input tokens and matched blocks
         (``tokens[tokens_off[i]:tokens_off[i + 1]]``, likewise ``path``; None:
-        none). ``need`` and ``results`` as ``Launcher.launch`` takes them."""
+        none). ``results`` as ``Launcher.launch`` takes it."""
         n = len(slots)
         work = np.zeros((n + 1, BATCH_WIDTH), dtype=np.int64)
         work[:n, BATCH_SLOT] = slots
@@ -337,18 +337,18 @@ class CachePool:
             work[:, BATCH_TOKENS] = self.backend.to_host(tokens_off)
         if path is not None:
             work[:, BATCH_PATH] = path_off
-        self._run(launcher, work, tokens, path, need, results)
+        self._run(launcher, work, tokens, path, results)
 
-    def launch_one(self, launcher, slot: int, op: int, tokens=None, path=None, need=None, results=None) -> None:
+    def launch_one(self, launcher, slot: int, op: int, tokens=None, path=None, results=None) -> None:
         """``launch`` for one cache."""
         work = self._work1
         work[0, BATCH_SLOT] = slot
         work[0, BATCH_OP] = op
         work[1, BATCH_TOKENS] = 0 if tokens is None else len(tokens)
         work[1, BATCH_PATH] = 0 if path is None else len(path)
-        self._run(launcher, work, tokens, path, need, results)
+        self._run(launcher, work, tokens, path, results)
 
-    def _run(self, launcher, work, tokens, path, need, results):
+    def _run(self, launcher, work, tokens, path, results):
         if self._synced_seg is not self.seg:
             self._sync_seg()
         b = self.backend
@@ -356,7 +356,7 @@ class CachePool:
             self.run, self.arrays, b.to_device(work) if self._on_gpu else work,
             self._no_tokens if tokens is None else self._as_int32(tokens),
             self._no_path if path is None else self._as_int64(path),
-            need=need, results=results,
+            results=results,
         )
 
     def _as_int64(self, a):

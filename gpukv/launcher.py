@@ -230,11 +230,10 @@ class Launcher:
         self._log_fed = np.zeros(1, dtype=np.int64)  # records the event manager consumed
         self._log_sunk = 0  # records the log sink received
 
-    def launch(self, kernel, *args, need=None, results=None) -> None:
-        """``kernel(tables, *args)``, then its aftermath.
+    def launch(self, kernel, *args, results=None) -> None:
+        """``kernel(tables, *args)``, then its aftermath (the kernels find
+        eviction victims themselves: nothing to prepare).
 
-        ``need`` (a bound on the GPU pages the launch allocates per life
-        cycle) is accepted and unused: the kernels find victims themselves.
         ``results()`` refreshes the caller's host copies of what the launch
         changed; it runs first in the aftermath, and again if the aftermath is
         resumed, so it must be idempotent (a read of device state)."""
