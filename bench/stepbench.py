@@ -233,12 +233,10 @@ class GpukvBatched(GpukvPerCache):
     REQUIRED = ("create_kv_caches", "resize_batch", "commit_batch", "close_batch")
 
     def admit(self, i: int):
-        import gpukv
-
         p = self.w.prompts[i]
-        (kv,) = self.mgr.create_kv_caches([p[:-1]])
+        (kv,) = self.mgr.create_kv_caches([p[:-1]])  # SUSPENDED, holding its reused pages
         reused = kv.num_committed_tokens
-        if kv.status is gpukv.KVCacheStatus.SUSPENDED and not kv.resume():  # in case creation does not resume
+        if not kv.resume():
             self.mgr.close_batch([kv])
             raise OutOfPages(f"gpukv: resume of request {i}")
         for n0, n1 in chunks(reused, p.size):
