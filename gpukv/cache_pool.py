@@ -199,9 +199,34 @@ class CachePool:
     def reserve(self, slots: np.ndarray, blocks: np.ndarray) -> None:
         """Room for ``blocks[i]`` blocks in the segment of ``slots[i]``."""
         short = blocks > self.seg[slots, 1]
-        if short.any():
-            grow = slots[short]
-            self._move(grow, np.maximum(blocks[short], 2 * self.seg[grow, 1]))
+        if not short.any():
+            return
+        grow, want = slots[short], blocks[short]
+        # Half as much again as asked, and at least double: a cache that was
+        # just sized to its prompt then decodes for a while without moving.
+        size = np.maximum(want + want // 2, 2 * self.seg[grow, 1])
+        # The segment that ends at the top grows where it is (no copy) while
+        # the pool has the rows: a cache prefilled chunk by chunk right after
+        # it was created.
+        end = self.seg[grow, 0] + self.seg[grow, 1]
+        last = np.flatnonzero((end == self.top) & (self.seg[grow, 1] > 0))
+        if last.size and int(self.seg[grow[last[0]], 0] + size[last[0]]) <= self.num_rows:
+            k = int(last[0])
+            self._grow_in_place(int(grow[k]), int(size[k]))
+            grow, size = np.delete(grow, k), np.delete(size, k)
+        if grow.size:
+            self._move(grow, size)
+
+    def _grow_in_place(self, slot: int, blocks: int) -> None:
+        """The last segment (``slot``'s) extended to ``blocks`` rows."""
+        self.gen += 1  # views taken before are stale from here on, whatever happens next
+        base, kept = int(self.seg[slot, 0]), int(self.seg[slot, 1])
+        self._fill_span(self.arrays, base + kept, blocks - kept)
+        seg = self.seg.copy()
+        seg[slot, 1] = blocks
+        self.seg, self.top = seg, base + blocks  # one step: the rows and who owns them
+        self._sync_seg()
+        self.gen += 1
 
     def _move(self, slots: np.ndarray, blocks: np.ndarray) -> None:
         """New segments of ``blocks`` rows for ``slots`` at the end of the
