@@ -6,8 +6,8 @@
 Prints, per job, the wall time and the CPU time of its process. On a shared
 machine only the CPU times (and their ratios) mean much: the wall time grows
 with whatever else runs. Each job compiles on its own the helpers it shares
-with others (the tree and seq kernels share many), as it does when ``gpukv
-compile`` runs the jobs in parallel processes.
+with others (the tree and sequence kernels share many), as it does when
+``gpukv compile`` runs the jobs in parallel processes.
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ import numpy as np
 from .core.config import DEFAULT_PRIORITY
 from .core.kinds import has_window, is_checkpoint
 from .core.layout import NULL, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_WIDTH, SEQ_ARGS_WIDTH, TREE_OUT
-from .kernels.seq import BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, SeqPool, SeqTables, build_seq_kernel
+from .kernels.seq import (
+    BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, FIRST_COMMIT_OP, SeqPool, SeqTables, build_seq_kernels,
+)
 from .tables import scratch_width
 
 _SERIALS = itertools.count(1)  # tells every cache of the process apart (identity checks of batched calls)
@@ -82,7 +84,7 @@ class CachePool:
         self.width = max(self.L, 1)
         self.scratch_width = scratch_width(config)
         self.hold_rules = hold_rules(config)
-        self.run = build_seq_kernel(backend.target)
+        self.kernels = build_seq_kernels(backend.target)
         self._on_gpu = backend.on_gpu
         self.gen = 0  # bumped whenever a segment moves or an array is replaced
         self.top = 0  # the first block row no segment has used since the last packing
@@ -350,11 +352,16 @@ class CachePool:
 
     def launch(self, launcher, slots, ops, tokens=None, tokens_off=None, path=None, path_off=None,
                results=None) -> None:
-        """One launch of the sequence kernel: call ``ops[i]`` on slot
+        """One launch of a sequence kernel (the sizing or the commit kernel,
+        as ``ops`` say: never both in one launch): call ``ops[i]`` on slot
         ``slots[i]``, in order, with its input tokens and matched blocks
         (``tokens[tokens_off[i]:tokens_off[i + 1]]``, likewise ``path``; None:
         none). ``results`` as ``Launcher.launch`` takes it."""
         n = len(slots)
+        ops = np.asarray(ops, dtype=np.int64)
+        commit = bool(n) and bool(ops[0] >= FIRST_COMMIT_OP)
+        if n and ((ops >= FIRST_COMMIT_OP) != commit).any():
+            raise AssertionError("one launch runs sizing calls or commit calls, never both")
         work = np.zeros((n + 1, BATCH_WIDTH), dtype=np.int64)
         work[:n, BATCH_SLOT] = slots
         work[:n, BATCH_OP] = ops
@@ -362,7 +369,7 @@ class CachePool:
             work[:, BATCH_TOKENS] = self.backend.to_host(tokens_off)
         if path is not None:
             work[:, BATCH_PATH] = path_off
-        self._run(launcher, work, tokens, path, results)
+        self._run(launcher, commit, work, tokens, path, results)
 
     def launch_one(self, launcher, slot: int, op: int, tokens=None, path=None, results=None) -> None:
         """``launch`` for one cache."""
@@ -371,14 +378,14 @@ class CachePool:
         work[0, BATCH_OP] = op
         work[1, BATCH_TOKENS] = 0 if tokens is None else len(tokens)
         work[1, BATCH_PATH] = 0 if path is None else len(path)
-        self._run(launcher, work, tokens, path, results)
+        self._run(launcher, op >= FIRST_COMMIT_OP, work, tokens, path, results)
 
-    def _run(self, launcher, work, tokens, path, results):
+    def _run(self, launcher, commit: bool, work, tokens, path, results):
         if self._synced_seg is not self.seg:
             self._sync_seg()
         b = self.backend
         launcher.launch(
-            self.run, self.arrays, b.to_device(work) if self._on_gpu else work,
+            self.kernels.commit if commit else self.kernels.size, self.arrays, b.to_device(work) if self._on_gpu else work,
             self._no_tokens if tokens is None else self._as_int32(tokens),
             self._no_path if path is None else self._as_int64(path),
             results=results,

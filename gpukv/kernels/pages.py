@@ -185,7 +185,7 @@ def link_page(S, r, lc, p):
     set_slot(S, r, lc, p, S.pages[p, PAGE_COVERAGE])
 
 
-@helper(inline=False)  # a call: inlined at every slot change, it made the seq kernel slow to compile
+@helper(inline=False)  # a call: inlined at every slot change, it made the sequence kernels slow to compile
 def replace_page(S, r, lc, p):
     """Put ``p`` in the slot; the caller checked ``can_replace_page``.
 

@@ -1,11 +1,13 @@
-"""The serial sequence kernel: a batch of ``KVCache`` calls per launch (docs/semantics.md §2.5-§2.10).
+"""The serial sequence kernels: a batch of ``KVCache`` calls per launch (docs/semantics.md §2.5-§2.10).
 
 A ``KVCache`` keeps its state in small device arrays (``SeqTables``): per
 ordinal and life cycle the page it refers to and how (held or locked), per
 ordinal the tree block it is committed as, its committed tokens, and a row of
 scalars (``SEQ_SCALARS``). Each public call (create with reuse, resume,
-suspend, resize, commit, stop, close) is one launch of the kernel below, so no
-call loops over blocks in Python. Each opcode calls one helper of the concern
+suspend, resize, commit, stop, close) is one launch of one of the two kernels
+below, the sizing kernel (reuse setup, resume, suspend, resize) or the commit
+kernel (commit, stop, close), so no call loops over blocks in Python. Each
+opcode calls one helper of the concern
 modules: ``seq_hold`` (holding and releasing pages), ``seq_resume`` (reuse
 setup, resume, suspend), ``seq_resize``, ``seq_commit`` (commits and
 snapshots), ``seq_close``. Page data copies the kernel decides on are recorded
@@ -62,7 +64,10 @@ from .seq_commit import commit, stop_committing
 from .seq_resize import resize
 from .seq_resume import resume, setup_reuse, suspend
 
-# Operations.
+# Operations. The sizing kernel runs the first four (what pages a cache
+# holds), the commit kernel the other three (what the tree gets); a launch
+# runs one of them, and no call needs both. Two kernels, not one, because a
+# cold compile of each is about half as long, and both compile at once.
 SEQ_SETUP_REUSE = 1  # SETUP_ARGS: matched tokens N, blocks in Q.path[:count]
 SEQ_RESUME = 2
 SEQ_SUSPEND = 3
@@ -70,6 +75,7 @@ SEQ_RESIZE = 4  # RESIZE_ARGS
 SEQ_COMMIT = 5  # COMMIT_ARGS
 SEQ_STOP = 6
 SEQ_CLOSE = 7  # CLOSE_ARGS
+FIRST_COMMIT_OP = SEQ_COMMIT  # ops from here on are the commit kernel's
 
 SeqTables = namedtuple(
     "SeqTables",
@@ -91,9 +97,8 @@ SeqTables = namedtuple(
 )
 
 
-@helper(inline=False)
-def seq_step(S, Q, op):
-    out = Q.out
+@helper
+def size_step(S, Q, op):
     Q.scalars[Q_RESULT] = 1
     if op == SEQ_SETUP_REUSE:
         setup_reuse(S, Q, Q.args[SETUP_NUM_TOKENS], Q.args[SETUP_NUM_BLOCKS])
@@ -103,7 +108,13 @@ def seq_step(S, Q, op):
         suspend(S, Q)
     elif op == SEQ_RESIZE:
         resize(S, Q, Q.args[RESIZE_CAPACITY], Q.args[RESIZE_HISTORY])
-    elif op == SEQ_COMMIT:
+
+
+@helper
+def commit_step(S, Q, op):
+    out = Q.out
+    Q.scalars[Q_RESULT] = 1
+    if op == SEQ_COMMIT:
         commit(S, Q, Q.args[COMMIT_FIRST], Q.args[COMMIT_COUNT], Q.args[COMMIT_IS_END] == 1, out)
     elif op == SEQ_STOP:
         stop_committing(S, Q, out)
@@ -145,59 +156,85 @@ BATCH_PATH = 3
 BATCH_WIDTH = 4
 
 
-@helper(inline=False)
-def seq_batch(S, P, work, tokens, path):
-    """The calls ``work[i, BATCH_OP]`` on the caches in slots
-    ``work[i, BATCH_SLOT]``, in order, as one launch. Item ``i`` first gets
+@helper
+def item_tables(S, P, work, i, tokens, path):
+    """Item ``i`` of the work list: its slot's SeqTables (views of the slot's
+    rows of the pool, the arrays the single-cache code was written for), with
     its input copied in: tokens ``tokens[work[i, BATCH_TOKENS]:work[i + 1,
     BATCH_TOKENS]]`` (a commit's at its first position, reuse setup's from
     0) and matched blocks from ``path`` likewise."""
+    begin_launch(S)  # each item judges the host tier's room afresh, as its own launch would
     T = S.tokens.shape[1]
+    s = work[i, BATCH_SLOT]
+    a = P.seg[s, 0]
+    b = a + P.seg[s, 1]
+    Q = SeqTables(
+        P.pages[a:b], P.kinds[a:b], P.tree[a:b], P.tokens[a * T:b * T], P.scalars[s], P.priority[a:b],
+        P.path[a:b], P.args[s], P.out[s], P.counts[s], P.scope_digest[s], P.scratch[s], P.scratch_count[s],
+    )
+    at = Q.args[COMMIT_FIRST] if work[i, BATCH_OP] == SEQ_COMMIT else 0
+    t0 = work[i, BATCH_TOKENS]
+    for j in range(work[i + 1, BATCH_TOKENS] - t0):
+        Q.tokens[at + j] = tokens[t0 + j]
+    p0 = work[i, BATCH_PATH]
+    for j in range(work[i + 1, BATCH_PATH] - p0):
+        Q.path[j] = path[p0 + j]
+    return Q
+
+
+@helper
+def size_batch(S, P, work, tokens, path):
+    """The sizing calls ``work[i, BATCH_OP]`` on the caches in slots
+    ``work[i, BATCH_SLOT]``, in order, as one launch."""
     for i in range(work.shape[0] - 1):
-        begin_launch(S)  # each item judges the host tier's room afresh, as its own launch would
-        # Slot s's SeqTables: views of its rows of the pool, the arrays the
-        # single-cache code was written for.
-        s = work[i, BATCH_SLOT]
-        a = P.seg[s, 0]
-        b = a + P.seg[s, 1]
-        Q = SeqTables(
-            P.pages[a:b], P.kinds[a:b], P.tree[a:b], P.tokens[a * T:b * T], P.scalars[s], P.priority[a:b],
-            P.path[a:b], P.args[s], P.out[s], P.counts[s], P.scope_digest[s], P.scratch[s], P.scratch_count[s],
-        )
-        op = work[i, BATCH_OP]
-        at = Q.args[COMMIT_FIRST] if op == SEQ_COMMIT else 0
-        t0 = work[i, BATCH_TOKENS]
-        for j in range(work[i + 1, BATCH_TOKENS] - t0):
-            Q.tokens[at + j] = tokens[t0 + j]
-        p0 = work[i, BATCH_PATH]
-        for j in range(work[i + 1, BATCH_PATH] - p0):
-            Q.path[j] = path[p0 + j]
-        seq_step(S, Q, op)
+        size_step(S, item_tables(S, P, work, i, tokens, path), work[i, BATCH_OP])
+
+
+@helper
+def commit_batch(S, P, work, tokens, path):
+    """The commit kernel's ``size_batch``."""
+    for i in range(work.shape[0] - 1):
+        commit_step(S, item_tables(S, P, work, i, tokens, path), work[i, BATCH_OP])
+
+
+SeqKernels = namedtuple("SeqKernels", ["size", "commit"])
 
 
 @functools.lru_cache(maxsize=None)
-def build_seq_kernel(target: str):
-    """``run(S, P, work, tokens, path)``: a batch of sequence calls, serially,
-    in one launch (see ``seq_batch``)."""
+def build_seq_kernels(target: str) -> SeqKernels:
+    """Each ``run(S, P, work, tokens, path)``: a batch of sequence calls,
+    serially, in one launch (``size_batch``, ``commit_batch``)."""
     k = link(target)
     if target == "cpu":
-        return cpu_kernel(k.kernel(_run_cpu))
+        return SeqKernels(cpu_kernel(k.kernel(_size_cpu)), cpu_kernel(k.kernel(_commit_cpu)))
 
     from numba import cuda
 
-    kernel = cuda.jit(k.kernel(_run_cuda, cuda=cuda))
+    def launcher(entry):
+        kernel = cuda.jit(k.kernel(entry, cuda=cuda))
 
-    def run(S, P, work, tokens, path):
-        kernel[1, 1, launch_stream()](S, P, work, tokens, path)
+        def run(S, P, work, tokens, path):
+            kernel[1, 1, launch_stream()](S, P, work, tokens, path)
 
-    return run
+        return run
+
+    return SeqKernels(launcher(_size_cuda), launcher(_commit_cuda))
 
 
 # Kernel entry points: module level so Numba's disk cache hits (link.py).
-def _run_cpu(S, P, work, tokens, path):
-    seq_batch(S, P, work, tokens, path)
+def _size_cpu(S, P, work, tokens, path):
+    size_batch(S, P, work, tokens, path)
 
 
-def _run_cuda(S, P, work, tokens, path):
+def _commit_cpu(S, P, work, tokens, path):
+    commit_batch(S, P, work, tokens, path)
+
+
+def _size_cuda(S, P, work, tokens, path):
     if cuda.grid(1) == 0:  # noqa: F821 (bound by Linked.kernel)
-        seq_batch(S, P, work, tokens, path)
+        size_batch(S, P, work, tokens, path)
+
+
+def _commit_cuda(S, P, work, tokens, path):
+    if cuda.grid(1) == 0:  # noqa: F821 (bound by Linked.kernel)
+        commit_batch(S, P, work, tokens, path)
