@@ -3,16 +3,17 @@
 A cache owns a *slot* (its row of scalars, arguments and scratch) and a
 *segment* of block rows ``[base, base + blocks)`` in the block-indexed arrays
 (pages, kinds, tree rows, tokens, priorities, the matched path). The sequence
-kernel (``kernels/seq.py``) takes the whole pool and a list of slots, and
-builds each cache's ``SeqTables`` in-kernel as views of its rows, so one
+kernels (``kernels/seq.py``) take the whole pool and a list of slots, and
+build each cache's ``SeqTables`` in-kernel as views of its rows, so one
 launch serves a whole batch of caches and the per-cache kernel code is the
 same for a batch of one.
 
-A segment too small for a resize moves to the end of the pool with twice the
-room (amortised, like a growing array); when the end is reached, the live
-segments are packed to the front, in a bigger pool when they need it. Moves
-change the arrays, so a cache's views are rebuilt when the pool's generation
-changed. A slot is given back when its cache is garbage collected (a closed
+A segment too small for a resize grows in place when it is the last one, or
+else moves to the end of the pool with half as much room again as asked and
+at least twice what it had (amortised, like a growing array); when the end
+is reached, the live segments are packed to the front, in a bigger pool
+when they need it. Moves change the arrays, so a cache's views are rebuilt
+when the pool's generation changed. A slot is given back when its cache is garbage collected (a closed
 cache still answers its committed tokens until then).
 """
 

@@ -666,6 +666,20 @@ def num_open_caches(mgr) -> int:
     return len(mgr._open_caches)
 
 
+def cache_segment(kv) -> tuple[int, int]:
+    """``(base, rows)``: where a KV cache's block rows lie in its manager's
+    cache pool (``CachePool``: ``[base, base + rows)`` of every
+    block-indexed array) and how many blocks it has room for."""
+    pool = kv._pool
+    base, rows = pool.seg[kv._slot]
+    return int(base), int(rows)
+
+
+def cache_pool_rows(mgr) -> int:
+    """Block rows of the manager's cache pool: the room of every segment."""
+    return mgr._pool.num_rows
+
+
 # -- the token arena ---------------------------------------------------------------------------
 _ARENA_FIELDS = {
     "start": "start",  # where the segment starts, in tokens

@@ -1,0 +1,93 @@
+"""How a cache's rows grow in the manager's cache pool (``CachePool``).
+
+A cache owns a segment of the pool's block rows. A segment that must grow
+takes half as much room again as asked, so a cache sized to its prompt
+decodes for a while without moving; the segment at the top of the pool grows
+where it is; any other moves to the top, its rows copied along. Whatever
+moves, what the cache holds and has committed stays exactly as it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpukv
+from gpukv import introspect
+
+T = 4
+
+
+def manager(backend):
+    return gpukv.KVCacheManager(gpukv.CacheConfig(tokens_per_block=T, pages_per_life_cycle=1024, backend=backend,
+                                                  layers=[gpukv.Attention(), gpukv.Attention(window=8)]))
+
+
+def prefill(kv, tokens):
+    assert kv.resume()
+    assert kv.resize(len(tokens), 0)
+    kv.commit(tokens)
+
+
+def state(kv):
+    return (kv.num_committed_tokens, kv.committed_tokens.tolist(), kv.page_indices(0).tolist(),
+            kv.page_indices(1).tolist())
+
+
+def test_a_cache_sized_to_its_prompt_decodes_without_moving(backend):
+    mgr = manager(backend)
+    kv = mgr.create_kv_cache()
+    other = mgr.create_kv_cache()  # above kv in the pool: kv's segment is not the last one
+    prefill(other, list(range(1000, 1000 + 2 * T)))
+    prefill(kv, list(range(1, 1 + 40 * T)))
+    base, rows = introspect.cache_segment(kv)
+    assert rows >= 60  # 40 blocks asked, half as much again given
+    for n in range(40 * T, 55 * T):  # 15 more blocks, one token at a time
+        if n + 1 > kv.capacity:
+            assert kv.resize(-(-(n + 1) // T) * T)
+        kv.commit([n + 1])
+    assert introspect.cache_segment(kv) == (base, rows)
+    assert kv.committed_tokens.tolist() == list(range(1, 1 + 55 * T))
+    introspect.check_sanity(mgr)
+
+
+def test_the_last_segment_grows_in_place(backend):
+    mgr = manager(backend)
+    kv = mgr.create_kv_cache()
+    assert kv.resume()
+    tokens = list(range(1, 1 + 64 * T))
+    seen = set()
+    for n0 in range(0, len(tokens), 4 * T):  # a prompt prefilled in chunks right after the cache was created
+        assert kv.resize(n0 + 4 * T, n0)
+        kv.commit(tokens[n0:n0 + 4 * T])
+        seen.add(introspect.cache_segment(kv)[0])
+    base, rows = introspect.cache_segment(kv)
+    assert len(seen) == 1 and rows >= 64
+    assert kv.committed_tokens.tolist() == tokens
+    introspect.check_sanity(mgr)
+
+
+@pytest.mark.parametrize("caches", [2, 12])  # a move of one segment, and a batch of moves past the pool's end
+def test_a_moved_segment_keeps_everything_it_held(backend, caches):
+    mgr = manager(backend)
+    kvs = [mgr.create_kv_cache() for _ in range(caches)]
+    for i, kv in enumerate(kvs):
+        prefill(kv, list(range(100 * i + 1, 100 * i + 1 + 3 * T + 1)))
+    before = [state(kv) for kv in kvs]
+    bases = [introspect.cache_segment(kv)[0] for kv in kvs]
+    rows = introspect.cache_pool_rows(mgr)
+    # Every cache grows past its room in one batched call: all but the last
+    # segment must move (the pool itself grows when the top is reached).
+    ok = mgr.resize_batch(kvs, [40 * T] * caches)
+    assert ok.all()
+    moved = [introspect.cache_segment(kv)[0] != b for kv, b in zip(kvs, bases)]
+    assert sum(moved) >= caches - 1
+    assert caches < 12 or introspect.cache_pool_rows(mgr) > rows
+    for kv, (n, toks, p0, p1) in zip(kvs, before):
+        assert kv.num_committed_tokens == n and kv.committed_tokens.tolist() == toks
+        assert kv.page_indices(0)[:len(p0)].tolist() == p0  # the new blocks have pages of their own after these
+        assert kv.page_indices(1)[:len(p1)].tolist() == p1
+        assert kv.capacity == 40 * T
+    for kv in kvs:  # and the moved caches work on: commit into their new room
+        kv.commit(list(range(7, 7 + 2 * T)))
+    introspect.check_sanity(mgr)
