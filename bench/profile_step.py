@@ -148,8 +148,10 @@ def attach_timers(mgr, kvs) -> Timers:
 
     timers = Timers()
     pool = getattr(mgr, "_pool", None)
-    if pool is not None:  # one kernel for every cache of the manager
-        timers.attach(pool, "run", LAUNCH)
+    if pool is not None:  # the sequence kernels serve every cache of the manager
+        kernels = pool.kernels
+        timers._attached.append((pool, "kernels", True, kernels))
+        pool.kernels = type(kernels)(*(timers.wrap(LAUNCH, k) for k in kernels))
     else:
         for kv in kvs:
             timers.attach(kv, "_run", LAUNCH)

@@ -35,6 +35,7 @@ from .core.layout import (
     Q_CAPACITY,
     Q_COMMIT_STATE,
     Q_COMMITTED,
+    Q_COMMITTED_BLOCKS,
     Q_HISTORY,
     Q_NUM_BLOCKS,
     Q_RESULT,
@@ -181,15 +182,18 @@ class BatchCalls:
         b = self.backend
         self.pool.arrays.args[b.to_device(slots)] = b.to_device(a)
 
-    def launch(self, slots, ops, *, need=0, log_blocks=0, tokens=None, tokens_off=None, path=None, path_off=None,
+    def launch(self, slots, ops, span: int, *, need=0, tokens=None, tokens_off=None, path=None, path_off=None,
                closing=None):
-        """One launch over ``slots``; the change log gets room for their
-        segments, ``need`` (GPU pages all of them may allocate per life cycle,
-        each of which may evict a victim) and ``log_blocks`` (what they may log
-        beyond their segments)."""
+        """One launch over ``slots``; the change log gets room for ``span``
+        (the blocks of theirs the calls may touch, in all), ``need`` (GPU
+        pages all of them may allocate per life cycle, each of which may
+        evict a victim) and each cache's scratch. Not the caches' whole
+        segments: a decode step over a large batch touches a block or two of
+        each, and sizing the log for every segment made it grow with the
+        batch's total length."""
         pool = self.pool
         k = pool.scratch_width
-        self.tables.ensure_log(int(pool.seg[slots, 1].sum()) + len(slots) * (k + 8) + log_blocks + need)
+        self.tables.ensure_log(int(span) + len(slots) * (k + 8) + need)
         open_caches = self.ctx.open_caches
 
         def results():
@@ -238,7 +242,8 @@ class BatchCalls:
         self.set_args(slots_go, cap[go], hist[go])
         new = np.maximum(0, blocks[go] - have[go])
         need = int(new.sum()) + go.size * (self.pool.scratch_width + 1)
-        self.launch(slots_go, np.full(go.size, SEQ_RESIZE, dtype=np.int64), need=need)
+        span = np.maximum(have[go], blocks[go]).sum()  # the old blocks (stale ones, a shrink) and the new
+        self.launch(slots_go, np.full(go.size, SEQ_RESIZE, dtype=np.int64), span, need=need)
         out[go] = S[slots_go, Q_RESULT] != 0
         return out
 
@@ -280,12 +285,26 @@ class BatchCalls:
         blocks = np.where(some[go], -(-n1[go] // self.T), S[slots_go, Q_NUM_BLOCKS])
         L = self.L
         commits = int(some.sum())
-        # As the per-cache calls: a commit's new blocks and a re-attached
-        # chain, announcements per life cycle; a stop's pending tail.
-        self.tables.ensure_free_blocks(int(blocks.sum()) + 2 * go.size)
-        self.tables.ensure_log_tokens(int(np.where(some[go], (L + 2) * blocks, 2 * blocks).sum()) + 2 * go.size)
+        # Only a commit that completes a block, snapshots a partial one or
+        # ends the sequence adds to the tree; for those, as the per-cache
+        # calls: a commit's new blocks and a re-attached chain (the whole
+        # committed chain, in case it was detached meanwhile), announcements
+        # per life cycle; a stop's pending tail. Most decode commits complete
+        # no block and need nothing: counting their chains too made the
+        # first decode step of a large batch double the block table and
+        # grow the change log's tokens forty-fold.
+        T = self.T
+        grows = (n1[go] // T > S[slots_go, Q_COMMITTED_BLOCKS]) | end[go]
+        if self.config.commit_min_snapshot:
+            grows |= n1[go] % T != 0
+        k = int(grows.sum())
+        self.tables.ensure_free_blocks(int(blocks[grows].sum()) + 2 * k)
+        self.tables.ensure_log_tokens(int(np.where(some[go], (L + 2) * blocks, 2 * blocks)[grows].sum()) + 2 * k)
         tokens_off = offsets if go.size == n else np.append(offsets[go], offsets[-1])
-        self.launch(slots_go, ops, need=2 * commits, tokens=flat, tokens_off=tokens_off)
+        # The rest only raise their history: per life cycle at most the
+        # blocks that many tokens make stale.
+        span = np.where(grows, blocks, count[go] // T + 2).sum()
+        self.launch(slots_go, ops, span, need=2 * commits, tokens=flat, tokens_off=tokens_off)
 
     def _tokens(self, tokens, n: int, what: str, intern: bool = False):
         """``(flat int32 tokens, int64 offsets of n + 1, digests)``; ``digests``
@@ -319,7 +338,7 @@ class BatchCalls:
         nb = S[slots_go, Q_NUM_BLOCKS]
         self.tables.ensure_free_blocks(2 * go.size)
         self.tables.ensure_log_tokens(int(2 * nb.sum()) + 2 * go.size)
-        self.launch(slots_go, np.full(go.size, SEQ_CLOSE, dtype=np.int64), closing=picked)
+        self.launch(slots_go, np.full(go.size, SEQ_CLOSE, dtype=np.int64), nb.sum(), closing=picked)
 
     def resume(self, caches) -> np.ndarray:
         what = "resume_batch()"
@@ -331,7 +350,7 @@ class BatchCalls:
         S = self.pool.host_scalars
         blocks = S[slots, Q_NUM_BLOCKS].copy()
         self.fill_priorities(caches, slots, blocks)
-        self.launch(slots, np.full(n, SEQ_RESUME, dtype=np.int64), need=int(blocks.sum()) + 2 * n)
+        self.launch(slots, np.full(n, SEQ_RESUME, dtype=np.int64), blocks.sum(), need=int(blocks.sum()) + 2 * n)
         return S[slots, Q_RESULT] != 0
 
     # -- admission ----------------------------------------------------------------------
@@ -397,7 +416,7 @@ class BatchCalls:
                 poff = np.concatenate([[0], np.cumsum(nblocks[go])]).astype(np.int64)
                 path = np.asarray(m.block_ids, dtype=np.int64)[ranges(np.asarray(m.block_offsets)[go], nblocks[go])]
                 self.set_args(slots[go], matched[go], nblocks[go])
-                self.launch(slots[go], np.full(go.size, SEQ_SETUP_REUSE, dtype=np.int64),
+                self.launch(slots[go], np.full(go.size, SEQ_SETUP_REUSE, dtype=np.int64), nblocks[go].sum(),
                             tokens=flat, tokens_off=toff, path=path, path_off=poff)
             stats = self._stats()
             has_ssm = self.config.ssm_life_cycle_id is not None

@@ -122,6 +122,52 @@ def test_max_blocks_refuses_and_changes_nothing():
     assert mgr._tables.num_rows == 8
 
 
+def _sharing_batch(mgr, caches: int, prefix_blocks: int):
+    """``caches`` running caches whose prompts share ``prefix_blocks`` blocks
+    and end two tokens into a block of their own."""
+    prefix = list(range(1, prefix_blocks * T + 1))
+    kvs = []
+    for i in range(caches):
+        prompt = prefix + [10_000 + 10 * i + j for j in range(T + 2)]
+        kv = mgr.create_kv_cache(prompt)
+        n = kv.num_committed_tokens
+        assert kv.resume() and kv.resize(len(prompt) + T - 2, n)
+        kv.commit(prompt[n:])
+        kvs.append(kv)
+    return kvs
+
+
+def test_a_batched_decode_step_needs_rows_only_for_the_blocks_it_completes(backend):
+    """Sixteen caches sharing a 40-block prefix: the step that completes no
+    block needs no free block row at all, the next one a row per cache that
+    completes its block and the chain it would re-attach. Sized for the
+    whole chain of every cache (16 x 42 rows), the first
+    step used to be refused under max_blocks, and without it to double the
+    tables."""
+    mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=256, max_blocks=128)
+    kvs = _sharing_batch(mgr, 16, 40)
+    assert sum(-(-kv.num_committed_tokens // T) for kv in kvs) > 128  # every chain: more rows than there are
+    mgr.commit_batch(kvs, [[7]] * 16)  # each cache's block gets its third token
+    assert [kv.num_committed_tokens for kv in kvs] == [40 * T + T + 3] * 16
+    mgr.commit_batch(kvs[:1], [[8]])  # one cache completes its block
+    assert kvs[0].num_committed_tokens == 40 * T + 2 * T
+    assert mgr.probe_reuse(list(range(1, 40 * T + 1)) + [10_000 + j for j in range(T + 2)] + [7, 8]) == 42 * T
+    introspect.check_sanity(mgr)
+
+
+def test_a_batched_decode_step_leaves_growing_tables_as_they_are(backend):
+    """What the prefills needed covers a decode step of their caches: neither
+    the block table nor the change log grows (sized for the caches' whole
+    chains and segments, the step used to double the one and grow the other
+    with the batch's total length)."""
+    mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=256)
+    kvs = _sharing_batch(mgr, 4, 40)
+    sizes = {name: len(table) for name, table in introspect.tables(mgr).items()}
+    mgr.commit_batch(kvs, [[7]] * 4)
+    assert {name: len(table) for name, table in introspect.tables(mgr).items()} == sizes
+    introspect.check_sanity(mgr)
+
+
 @pytest.mark.parametrize("bad", [0, 7, -1, 2.5, True, "8"])
 def test_max_blocks_is_validated(bad):
     with pytest.raises(gpukv.ConfigError, match="max_blocks"):
