@@ -13,8 +13,9 @@ else moves to the end of the pool with half as much room again as asked and
 at least twice what it had (amortised, like a growing array); when the end
 is reached, the live segments are packed to the front, in a bigger pool
 when they need it. Moves change the arrays, so a cache's views are rebuilt
-when the pool's generation changed. A slot is given back when its cache is garbage collected (a closed
-cache still answers its committed tokens until then).
+when the pool's generation changed. A slot is given back when its cache is
+garbage collected (a closed cache still answers its committed tokens until
+then).
 """
 
 from __future__ import annotations
@@ -385,8 +386,9 @@ class CachePool:
         if self._synced_seg is not self.seg:
             self._sync_seg()
         b = self.backend
+        kernel = self.kernels.commit if commit else self.kernels.size
         launcher.launch(
-            self.kernels.commit if commit else self.kernels.size, self.arrays, b.to_device(work) if self._on_gpu else work,
+            kernel, self.arrays, b.to_device(work) if self._on_gpu else work,
             self._no_tokens if tokens is None else self._as_int32(tokens),
             self._no_path if path is None else self._as_int64(path),
             results=results,

@@ -7,10 +7,9 @@ scalars (``SEQ_SCALARS``). Each public call (create with reuse, resume,
 suspend, resize, commit, stop, close) is one launch of one of the two kernels
 below, the sizing kernel (reuse setup, resume, suspend, resize) or the commit
 kernel (commit, stop, close), so no call loops over blocks in Python. Each
-opcode calls one helper of the concern
-modules: ``seq_hold`` (holding and releasing pages), ``seq_resume`` (reuse
-setup, resume, suspend), ``seq_resize``, ``seq_commit`` (commits and
-snapshots), ``seq_close``. Page data copies the kernel decides on are recorded
+opcode calls one helper of the concern modules: ``seq_hold`` (holding and
+releasing pages), ``seq_resume`` (reuse setup, resume, suspend),
+``seq_resize``, ``seq_commit`` (commits and snapshots), ``seq_close``. Page data copies the kernel decides on are recorded
 and carried out by the host right after the launch, in order. Allocations make
 room by eviction (``evict.py``); the all-or-nothing ones first check that
 enough could be freed.
