@@ -28,7 +28,6 @@ from operator import attrgetter
 import numpy as np
 
 from .arena import TokenSequence
-from .core.config import check_priority
 from .core.layout import (
     ACTIVE,
     CLOSED,
@@ -153,26 +152,11 @@ class BatchCalls:
         want = blocks > self.pool.priorities_known[slots]
         if not want.any():
             return
-        L = self.L
-        rows = []
-        for i in np.flatnonzero(want).tolist():  # only caches with a callback are ever short
-            kv = caches[i]
-            cb = kv._priority_callback
-            lo, hi = kv._priorities_known, int(blocks[i])
-            block = np.empty((hi - lo, max(L, 1)), dtype=np.int64)
-            for j, o in enumerate(range(lo, hi)):  # per (ordinal, life cycle) by contract
-                for lc in range(L):
-                    try:
-                        v = cb(o, lc)
-                    except BusyError:
-                        raise
-                    except Exception as e:
-                        raise ValueError(f"caches[{i}]: priority_callback({o}, {lc}) raised {type(e).__name__}: {e}") from e
-                    block[j, lc] = check_priority(v, f"caches[{i}]: priority_callback({o}, {lc})")
-            rows.append((kv, lo, hi, block))
-        for kv, lo, hi, block in rows:
-            kv._q.priority[lo:hi] = self.backend.to_device(block[:, : kv._q.priority.shape[1]])
-            kv._set_priorities_known(hi)
+        # Only caches with a callback are ever short.
+        asked = [(caches[i], caches[i]._asked_priorities(int(blocks[i]), f"caches[{i}]: "))
+                 for i in np.flatnonzero(want).tolist()]
+        for kv, rows in asked:
+            kv._store_priorities(rows)
 
     def set_args(self, slots, *columns):
         """The kernel arguments of each slot (columns of per-cache values; the rest 0)."""

@@ -381,23 +381,38 @@ class KVCache:
         """Page priorities for ordinals up to ``blocks`` from the callback, asked
         once per (ordinal, life cycle) before the launch that may create such
         pages, so a bad value or a raising callback changes nothing."""
+        rows = self._asked_priorities(blocks)
+        if rows is not None:
+            self._store_priorities(rows)
+
+    def _asked_priorities(self, blocks: int, where: str = ""):
+        """The callback's priorities for the ordinals from the known ones up to
+        ``blocks`` (int64 ``[n, max(L, 1)]``), checked, written nowhere yet;
+        None when there is nothing to ask. ``where`` starts the error messages
+        (the batched calls name the cache's entry)."""
         cb = self._priority_callback
-        if cb is None or blocks <= self._priorities_known:
-            return
+        known = self._priorities_known
+        if cb is None or blocks <= known:
+            return None
         L = len(self._config.life_cycles)
-        rows = np.empty((blocks - self._priorities_known, max(L, 1)), dtype=np.int64)
+        rows = np.empty((blocks - known, max(L, 1)), dtype=np.int64)
         rows[:] = DEFAULT_PRIORITY
-        for i, o in enumerate(range(self._priorities_known, blocks)):  # the callback is per (ordinal, life cycle) by contract
+        for i, o in enumerate(range(known, blocks)):  # the callback is per (ordinal, life cycle) by contract
             for lc in range(L):
                 try:
                     v = cb(o, lc)
                 except BusyError:
                     raise  # the callback called back into the manager: say so, unwrapped
                 except Exception as e:
-                    raise ValueError(f"priority_callback({o}, {lc}) raised {type(e).__name__}: {e}") from e
-                rows[i, lc] = check_priority(v, f"priority_callback({o}, {lc})")
-        self._q.priority[self._priorities_known:blocks] = self._backend.to_device(rows)
-        self._set_priorities_known(blocks)
+                    raise ValueError(f"{where}priority_callback({o}, {lc}) raised {type(e).__name__}: {e}") from e
+                rows[i, lc] = check_priority(v, f"{where}priority_callback({o}, {lc})")
+        return rows
+
+    def _store_priorities(self, rows):
+        """``rows`` (``_asked_priorities``) into the cache's priority table."""
+        known = self._priorities_known
+        self._q.priority[known:known + len(rows)] = self._backend.to_device(rows)
+        self._set_priorities_known(known + len(rows))
 
     def _launch(self, op, *args, need: int = 0, tokens=None, path=None) -> bool:
         """One launch of the sequence kernel for this cache alone (a batch of
