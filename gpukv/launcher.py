@@ -226,6 +226,7 @@ class Launcher:
         self.log_sink: list | None = None
         self.guard = CallGuard(self)
         self.pending = False  # a launch whose aftermath is not finished
+        self.launches = 0  # kernels run that may have changed the tables (host copies key on it)
         self._results = None  # the pending launch's results step
         self._log_fed = np.zeros(1, dtype=np.int64)  # records the event manager consumed
         self._log_sunk = 0  # records the log sink received
@@ -241,6 +242,7 @@ class Launcher:
             self.settle()
         self._results = results
         self.pending = True
+        self.launches += 1
         call_kernel(kernel, self.tables.device, *args)
         self.settle()
 

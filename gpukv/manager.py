@@ -94,6 +94,7 @@ class KVCacheManager:
         self._stats = ReuseStats()
         self._batch = BatchCalls(self._cache_context, lambda: self._stats)
         self._eviction_seen = np.zeros(3, dtype=np.int64)
+        self._obtainable = (-1, None)  # (launches, Tables.obtainable_pages()) as last read
         kernel_cache.announce(self._backend.target)  # once per process: kernels a first call would compile
 
     # -- facts ------------------------------------------------------------------------
@@ -265,17 +266,35 @@ class KVCacheManager:
         self._stats = ReuseStats(**{k: v for k, v in stats.__dict__.items() if not k.startswith("ssm_")})
         return stats.ssm_dict()
 
-    @serialized("mgr.page_memory()")
-    def page_memory(self, life_cycle_id: int, level: int = 0):
-        """The life cycle's page pool at a cache level (0 = GPU, 1 = host) as a
-        [pages, page_bytes] uint8 array (None when ``page_bytes`` is 0 or the
-        level has no pages); ``KVCache.page_indices`` index the GPU pool."""
+    def _check_pool(self, life_cycle_id, level):
         L = len(self.config.life_cycles)
         if not isinstance(life_cycle_id, (int, np.integer)) or isinstance(life_cycle_id, bool) or not 0 <= life_cycle_id < L:
             raise ValueError(f"life_cycle_id must be in 0..{L - 1}, got {life_cycle_id!r}")
         if level not in (0, 1) or isinstance(level, bool) or not isinstance(level, (int, np.integer)):
             raise ValueError(f"level must be 0 (GPU) or 1 (host), got {level!r}")
+
+    @serialized("mgr.page_memory()")
+    def page_memory(self, life_cycle_id: int, level: int = 0):
+        """The life cycle's page pool at a cache level (0 = GPU, 1 = host) as a
+        [pages, page_bytes] uint8 array (None when ``page_bytes`` is 0 or the
+        level has no pages); ``KVCache.page_indices`` index the GPU pool."""
+        self._check_pool(life_cycle_id, level)
         return self._pages.pool(life_cycle_id, level)
+
+    @serialized("mgr.obtainable_pages()")
+    def obtainable_pages(self, life_cycle_id: int = 0, level: int = 0) -> int:
+        """How many pages of the life cycle's pool at a cache level (0 = GPU,
+        1 = host) an allocation could have now: the free ones plus what
+        eviction may free (cached pages no cache holds; on the GPU also those
+        of suspended caches while the host tier has room for them). A fit
+        check before admitting a request, or a usage gauge. Constant time,
+        whatever the pool's size; on ``cuda`` one small read after each call
+        that launched a kernel, none otherwise."""
+        self._check_pool(life_cycle_id, level)
+        launches = self._launcher.launches
+        if self._obtainable[0] != launches:
+            self._obtainable = (launches, self._tables.obtainable_pages())
+        return int(self._obtainable[1][life_cycle_id, level])
 
     @serialized("mgr.take_page_copies()")
     def take_page_copies(self) -> PageCopies:

@@ -44,6 +44,7 @@ from .core.layout import (
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
+    LG_COUNT,
     LG_LOWEST,
     LOG,
     LRU_GROUPS,
@@ -55,6 +56,7 @@ from .core.layout import (
     PAGES,
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_SCRATCH_REWIND,
+    POLICY_STABLE_PAGES,
     POLICY_WIDTH,
     SLOTS,
 )
@@ -235,6 +237,7 @@ class Tables:
         policy[POLICY_COMMIT_MIN_SNAPSHOT] = int(config.commit_min_snapshot)
         scratch = config.swa_scratch_reuse
         policy[POLICY_SCRATCH_REWIND] = -1 if scratch is None else scratch.max_rewind_len
+        policy[POLICY_STABLE_PAGES] = int(config.stable_pages)
         self.policy = backend.to_device(policy)
 
     # -- views ------------------------------------------------------------------
@@ -258,6 +261,22 @@ class Tables:
 
     def counters_host(self) -> np.ndarray:
         return self.backend.to_host(self.counters)
+
+    def obtainable_pages(self) -> np.ndarray:
+        """[life cycles, levels]: the pages an allocation at each cache level
+        could have now without touching a locked page: the free slots, the
+        unheld candidates eviction may drop, and on the GPU the held (suspended)
+        candidates while the host tier has room for them. The kernels' own
+        ``available`` (kernels/evict.py) with nothing of the caller's; from the
+        counts the eviction lists keep, so it costs the same for any pool."""
+        L = self.num_life_cycles
+        to_host = self.backend.to_host
+        free = to_host(self.pool_top).reshape(L, NUM_LEVELS)
+        counts = to_host(self.lru_groups[: L * NUM_LEVELS * NUM_HELD, LG_COUNT]).reshape(L, NUM_LEVELS, NUM_HELD)
+        out = free + counts[:, :, 0]
+        has_host = to_host(self.pool_size).reshape(L, NUM_LEVELS)[:, 1] > 0
+        out[:, 0] += np.where(has_host, np.minimum(counts[:, 0, 1], out[:, 1]), 0)
+        return out
 
     # -- growth -----------------------------------------------------------------
     def ensure_free_blocks(self, needed: int):

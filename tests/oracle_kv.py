@@ -260,6 +260,7 @@ class KVOracle:
         commit_min_snapshot: bool = False,
         reuse_match_backoff: int = 0,
         evict: bool = True,
+        stable_pages: bool = False,
     ):
         life_cycles = list(life_cycles)
         assert all(isinstance(lc, LifeCycle) for lc in life_cycles)
@@ -275,6 +276,7 @@ class KVOracle:
         self.commit_min_snapshot = bool(commit_min_snapshot)
         self.reuse_match_backoff = int(reuse_match_backoff)
         self.evict = bool(evict)
+        self.stable_pages = bool(stable_pages)
         n = len(life_cycles)
         if isinstance(pages_per_life_cycle, int):
             pages_per_life_cycle = [pages_per_life_cycle] * n
@@ -939,6 +941,8 @@ class KVSeq:
                     tree.replace_page(tb, lc, page)
                     mgr._hold(page)
                     entry.page = page
+                elif mgr.stable_pages:
+                    mgr.counters["kept_own_page"] += 1  # the engine reads it: it stays ours, uncommitted
                 else:
                     own = entry.page
                     mgr._hold(existing)
@@ -1081,7 +1085,8 @@ class KVSeq:
                     assert entry is None, "13. SSM entries in blocks are empty"
                     continue
                 if entry is not None:
-                    assert committed == is_committed_page(entry.page), "12. committed block <-> committed pages"
+                    kept_own = mgr.stable_pages and committed and sb.tree_block.is_full  # §2.5.1 stable pages
+                    assert committed == is_committed_page(entry.page) or kept_own, "12. committed block <-> committed pages"
                     assert entry.page.alive
                     if isinstance(entry.page, UncommittedPage):
                         assert entry.page.owner is self

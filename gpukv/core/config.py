@@ -119,6 +119,11 @@ class CacheConfig:
     page_bytes: int = 0
     enable_partial_reuse: bool = True
     commit_min_snapshot: bool = False
+    # A page a cache has reported (``page_indices``) stays its own until it
+    # closes: a committed full block that the tree holds already keeps the
+    # cache's page instead of switching to the tree's (for engines whose
+    # block tables only ever append, e.g. vLLM's).
+    stable_pages: bool = False
     reuse_match_backoff: int = 0
     max_kv_event_entries: int = 0
     backend: str = "auto"
@@ -175,7 +180,7 @@ class CacheConfig:
             raise ConfigError(f"reuse_match_backoff must be at most {MAX_TOKEN_ID}, got {self.reuse_match_backoff!r}")
         if not isinstance(self.max_kv_event_entries, (int, np.integer)) or isinstance(self.max_kv_event_entries, bool):
             raise ConfigError(f"max_kv_event_entries must be an int, got {self.max_kv_event_entries!r}")
-        for name in ("enable_partial_reuse", "commit_min_snapshot"):
+        for name in ("enable_partial_reuse", "commit_min_snapshot", "stable_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.swa_scratch_reuse is not None and not isinstance(self.swa_scratch_reuse, SwaScratchReuse):

@@ -177,6 +177,7 @@ POLICY = Layout(
     [
         ("commit_min_snapshot", 1),
         ("scratch_rewind", 1),  # swa_scratch_reuse.max_rewind_len, -1 when off
+        ("stable_pages", 1),  # 1: a cache's pages stay its own until it closes (no rebase)
     ],
 )
 
@@ -389,6 +390,7 @@ CNT_EVICT_FIRST = 12
 
 POLICY_COMMIT_MIN_SNAPSHOT = 0
 POLICY_SCRATCH_REWIND = 1
+POLICY_STABLE_PAGES = 2
 
 COPY_LIFE_CYCLE = 0
 COPY_SRC_LEVEL = 1

@@ -2,7 +2,8 @@
 
 New blocks take the sequence's pages (installed only when strictly wider
 than what the block adopted); full blocks that exist already rebase, never
-onto a narrower tree page; a covered partial tail ends in VIRTUAL_STOP. Under
+onto a narrower tree page, and under ``stable_pages`` not at all (the
+sequence keeps its own page, private, until it closes); a covered partial tail ends in VIRTUAL_STOP. Under
 ``commit_min_snapshot`` a partial tail is snapshotted by copying pages into
 the tree, and checkpoint kinds' state is copied (moved on ``is_end``).
 """
@@ -25,6 +26,7 @@ from ..core.layout import (
     PAGE_STATE,
     PAGE_UNCOMMITTED,
     POLICY_COMMIT_MIN_SNAPSHOT,
+    POLICY_STABLE_PAGES,
     Q_CAPACITY,
     Q_COMMITTED,
     Q_COMMITTED_BLOCKS,
@@ -161,6 +163,7 @@ def commit_block(S, Q, o, last, ssm, move_ssm, out):
         announce(S, tb, EV_STORED_BLOCK, NULL)
         did = True
     elif S.blocks[tb, BLK_NUM_TOKENS] == T and full:  # rebase
+        stable = S.policy[POLICY_STABLE_PAGES] == 1
         for lc in range(L):
             p = Q.pages[o, lc]
             if is_checkpoint(S.lc_kind[lc]) or p == NULL:
@@ -172,7 +175,7 @@ def commit_block(S, Q, o, last, ssm, move_ssm, out):
                 commit_page(S, p, n)
                 replace_page(S, tb, lc, p)
                 announce(S, tb, EV_STORED_LIFE_CYCLE, lc)
-            else:
+            elif not stable:  # stable: the engine reads our page; it stays ours, uncommitted
                 kind = Q.kinds[o, lc]
                 hold(S, e, kind)
                 set_entry(Q, o, lc, e, kind)
