@@ -1,0 +1,431 @@
+"""``GpukvKVCacheManager``: vLLM's ``KVCacheManager`` interface over gpukv.
+
+vLLM's v1 ``Scheduler`` builds it with the same sixteen keyword arguments as
+its own manager (``vllm/v1/core/sched/scheduler.py``) and calls it per
+request. Every decision the scheduler waits for (how long a prefix hit is,
+whether an allocation fits) is made here from counts, exactly as vLLM's
+manager makes it; the gpukv calls behind it are queued and issued in batches
+(``step.py``). Block ids live in vLLM's id space (``blocks.py``).
+
+Two modes (``config.resolve_mode``):
+
+- **parity** (default): gpukv's partial reuse off. Hits are whole blocks,
+  capped at ``num_tokens - 1``, and allocation, caching and freeing happen
+  at the moments vLLM's manager does them, so vLLM's scheduler makes exactly
+  the decisions it makes on its own manager.
+- **partial**: gpukv's per-page coverage on. A hit may end inside a block; the
+  request then gets a private copy of that tree page, announced through
+  ``take_kv_cache_block_copies`` (vLLM's copy-on-write channel, which its
+  worker applies before the forward). A request's last, partial block is
+  committed when it is freed, so a later request can resume inside it.
+
+Not supported (each refused by name): KV connectors, speculative decoding,
+multimodal inputs, prompt embeddings, encoder-decoder models, more than one
+KV cache group, KV cache groups other than full attention.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .blocks import BlockIds, kv_cache_blocks_types
+from .config import gpukv_config, validate
+from .events import EventLog
+from .match_pages import match_pages
+from .scope import scope_of
+from .step import RequestState, StepCalls
+from .views import BlockPoolView, CoordinatorView, SingleTypeView
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _unsupported(feature: str, detail: str) -> NotImplementedError:
+    return NotImplementedError(f"gpukv's vLLM KV cache manager does not support {feature} ({detail})")
+
+
+class GpukvKVCacheManager:
+    """A drop-in for ``vllm.v1.core.kv_cache_manager.KVCacheManager``.
+
+    Keyword arguments are vLLM's, plus ``partial_reuse`` (None: from
+    ``$GPUKV_VLLM_MODE``) and ``backend`` (gpukv's backend; None: ``auto``).
+    """
+
+    def __init__(
+        self,
+        kv_cache_config,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector=None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+        *,
+        partial_reuse: bool | None = None,
+        backend: str | None = None,
+    ) -> None:
+        import gpukv
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.metrics.stats import PrefixCacheStats
+        from vllm.v1.request import RequestStatus
+
+        cfg = validate(
+            kv_cache_config, max_model_len, scheduler_block_size, hash_block_size, max_in_flight_tokens,
+            enable_caching, use_eagle, num_hash_lookahead_tokens, num_prefill_lookahead, log_stats,
+            enable_kv_cache_events, dcp_world_size, pcp_world_size, metrics_collector, watermark,
+            enable_mamba_shared_prefix_checkpoint, partial_reuse,
+        )
+        self._cfg = cfg
+        self._T = cfg.block_size
+        self._gk = gpukv.KVCacheManager(gpukv_config(cfg, backend))
+        self._PendingBlocks, self._HitBlocks = kv_cache_blocks_types()
+        self._PrefixCacheStats = PrefixCacheStats
+        self._admitting_statuses = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+        # vLLM's public attributes, as its manager has them.
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = cfg.max_model_len
+        self.enable_caching = cfg.enable_caching
+        self.enable_kv_cache_events = cfg.enable_kv_cache_events
+        self.use_eagle = False
+        self.log_stats = cfg.log_stats
+        self.metrics_collector = None
+        self.prefix_cache_stats = PrefixCacheStats() if cfg.log_stats else None
+        self.num_kv_cache_groups = 1
+        self.watermark_blocks = cfg.watermark_blocks
+        self.retained_hit_group_ids = ()
+        self.mamba_shared_prefix_checkpoint = False
+        self.partial_reuse = cfg.partial_reuse
+        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+
+        self._ids = BlockIds(cfg.num_blocks)
+        self._events = (
+            EventLog(cfg.num_pages, cfg.block_size, cfg.spec_kind, cfg.sliding_window)
+            if cfg.enable_kv_cache_events else None
+        )
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_pool = BlockPoolView(self._ids, cfg.num_blocks, cfg.block_size, cfg.enable_caching, self._free_blocks)
+        self._group = SingleTypeView(spec, cfg.block_size, self.block_pool, cfg.enable_caching)
+        self.coordinator = CoordinatorView(self._group, self.block_pool, self._blocks_to_allocate)
+        self._requests: dict[str, RequestState] = {}
+        self._step = StepCalls(
+            self._gk, cfg.block_size, self._ids, self._events, self._group.num_cached_block, cfg.needs_zeroing,
+        )
+
+    # -- facts ---------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self._T
+
+    @property
+    def gpukv(self):
+        """The gpukv ``KVCacheManager`` underneath (after the pending calls)."""
+        self._flush()
+        return self._gk
+
+    @property
+    def usage(self) -> float:
+        """KV cache usage in 0..1: pages neither free nor evictable."""
+        return self.block_pool.get_usage()
+
+    def _free_blocks(self) -> int:
+        """vLLM's free-queue length: free plus evictable pages."""
+        self._flush()
+        return self._gk.obtainable_pages()
+
+    def _flush(self) -> None:
+        if self._step.dirty:
+            self._step.flush()
+
+    # -- statistics ------------------------------------------------------------------
+    def make_prefix_cache_stats(self):
+        """Get (and reset) the prefix cache stats; None when stats are off."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0,
+        )
+
+    # -- lookup ----------------------------------------------------------------------
+    def _check_request(self, request) -> None:
+        if request.mm_features:
+            raise _unsupported("multimodal inputs", f"request {request.request_id!r} has {len(request.mm_features)} item(s)")
+        if request.prompt_embeds is not None:
+            raise _unsupported("prompt embeddings", f"request {request.request_id!r}")
+
+    def get_computed_blocks(self, request, max_cache_hit_length: int | None = None):
+        """``(hit blocks, hit tokens, 0)``: the longest cached prefix, at most
+        ``max_cache_hit_length`` tokens (default ``num_tokens - 1``: the last
+        prompt token is recomputed for its logits). Holds nothing."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        self._check_request(request)
+        self._flush()  # the tree as vLLM's cache is now: every cached block in, every eviction done
+        T = self._T
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        if not self.partial_reuse:
+            # vLLM looks up hashed full blocks only.
+            limit = min(limit, len(request.block_hashes) * T) // T * T
+        if limit <= 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        m = self._gk.match_batch([request._all_token_ids[:limit]], scopes=scope_of(request)).to_host()
+        hit = int(m.num_tokens[0])
+        if not self.partial_reuse:
+            hit = hit // T * T
+        if hit == 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        pages, held = match_pages(self._gk, m.block_ids[: _cdiv(hit, T)])
+        if self._events is not None and getattr(request, "kv_cache_report_mode", "incremental") == "full":
+            self._events.reused(request, hit // T)
+        return self._HitBlocks(self._ids.of_pages(pages), hit, held), hit, 0
+
+    def estimate_cached_tokens(self, request) -> int:
+        """Tokens of the request's longest cached prefix: its hit and the full
+        blocks it cached since (vLLM: the hashed blocks it holds)."""
+        state = self._requests.get(request.request_id)
+        if state is None or not self.enable_caching:
+            return 0
+        return max(state.hit, state.target // self._T * self._T)
+
+    # -- allocation ------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks=None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ):
+        """Pages for ``num_new_tokens`` more tokens (after a new request's hit
+        of ``num_new_computed_tokens``): the new blocks, or None when they do
+        not fit, in which case nothing changed."""
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
+        if num_external_computed_tokens or delay_cache_blocks or skip_zeroing_group_ids:
+            raise _unsupported("KV connectors", "external computed tokens / delayed caching")
+        if num_encoder_tokens:
+            raise _unsupported("encoder-decoder models", f"{num_encoder_tokens} encoder tokens for cross-attention")
+        if num_lookahead_tokens or request.spec_token_ids:
+            raise _unsupported("speculative decoding", f"request {request.request_id!r} has draft or lookahead tokens")
+        if self._step.closes:
+            self._flush()  # freed pages count before this decision, as in vLLM
+        T = self._T
+        state = self._requests.get(request.request_id)
+        total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
+        # vLLM's free queue as it will be once the queued allocations are made.
+        free = self._gk.obtainable_pages() - self._step.pending_pages
+        watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._admitting_statuses else 0
+        if state is None:
+            return self._admit(
+                request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, total_computed,
+                free, reserved_blocks, watermark, full_sequence_must_fit,
+            )
+        if num_new_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} holds blocks already: it has no new prefix hit to adopt")
+        have = state.num_blocks
+        if full_sequence_must_fit:
+            full = _cdiv(min(request.num_tokens, self.max_model_len), T)
+            if max(full - have, 0) + watermark > free:
+                return None
+        new = max(_cdiv(min(total_computed + num_new_tokens, self.max_model_len), T) - have, 0)
+        if new + watermark > free - reserved_blocks:
+            return None
+        if new:
+            state.num_blocks = have + new
+            self._step.allocate(state, new)
+        self._cache(state, min(total_computed + num_new_tokens, request.num_tokens))
+        if not new:
+            return self.empty_kv_cache_blocks
+        return self._PendingBlocks(self._flush, state, have, have + new)
+
+    def _admit(self, request, num_new_tokens, hit, hit_blocks, total_computed, free, reserved, watermark, full_must_fit):
+        """A waiting request's first allocation: its hit, then new pages."""
+        self._check_request(request)
+        T = self._T
+        if hit:
+            if not isinstance(hit_blocks, self._HitBlocks) or hit > hit_blocks.num_tokens:
+                raise ValueError(
+                    f"request {request.request_id!r}: num_new_computed_tokens={hit} needs the blocks "
+                    "get_computed_blocks returned for at least that many tokens"
+                )
+            if not self.partial_reuse and hit % T:
+                raise ValueError(f"request {request.request_id!r}: a hit of {hit} tokens is not whole blocks")
+        shared = hit // T  # full hit blocks: the tree's pages, shared
+        # Hit blocks no cache holds are eviction candidates: holding them takes
+        # them out of the obtainable count (vLLM: "touching" a free block). A
+        # partial hit block's source counts too: it is held until its copy is made.
+        evictable = int(np.count_nonzero(~hit_blocks.held[: _cdiv(hit, T)])) if hit else 0
+        if full_must_fit:
+            full = _cdiv(min(request.num_tokens, self.max_model_len), T)
+            if max(full - shared, 0) + evictable + watermark > free:
+                return None
+        blocks = _cdiv(min(total_computed + num_new_tokens, self.max_model_len), T)
+        new = max(blocks - shared, 0)  # a partial hit block gets a new page: its private copy
+        if new + evictable + watermark > free - reserved:
+            return None
+        hit_objs = hit_blocks.blocks[0][:shared] if hit else []
+        state = RequestState(
+            request, scope_of(request), hit,
+            admit_tokens=request._all_token_ids[:hit] if hit else [],
+            hit_blocks=list(hit_objs), hit_ids=[b.block_id for b in hit_objs],
+        )
+        state.num_blocks = shared + new
+        self._requests[request.request_id] = state
+        self._group.req_to_blocks[request.request_id] = state.blocks
+        if shared and self.enable_caching:
+            self._group.num_cached_block[request.request_id] = shared
+        self._step.allocate(state, new + evictable)
+        self._cache(state, min(total_computed + num_new_tokens, request.num_tokens))
+        return self._PendingBlocks(self._flush, state, shared, shared + new)
+
+    def _cache(self, state: RequestState, num_tokens: int) -> None:
+        """vLLM caches the request's full blocks up to ``num_tokens`` at once
+        (``cache_full_blocks``); gpukv commits them at the next flush. Parity
+        commits whole blocks only, so a freed request's last, partial block
+        dies with it as in vLLM; partial reuse commits every token, and gpukv
+        commits that block when the request is freed."""
+        if not self.enable_caching:
+            return
+        num_tokens = min(num_tokens, state.num_blocks * self._T)
+        if not self.partial_reuse:
+            num_tokens = min(num_tokens, len(state.request.block_hashes) * self._T) // self._T * self._T
+        self._step.commit(state, num_tokens)
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        """Cache the request's full blocks up to ``num_computed_tokens``."""
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            self._cache(state, num_computed_tokens)
+
+    def free(self, request) -> None:
+        """Release the request's blocks; its cached blocks stay reusable."""
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return  # never allocated (aborted while waiting)
+        self._group.req_to_blocks.pop(request.request_id, None)
+        self._group.num_cached_block.pop(request.request_id, None)
+        self._step.close(state)
+
+    def _blocks_to_allocate(self, request_id: str, num_tokens: int) -> int:
+        state = self._requests.get(request_id)
+        have = 0 if state is None else state.num_blocks
+        return max(_cdiv(num_tokens, self._T) - have, 0)
+
+    # -- block ids ---------------------------------------------------------------------
+    def get_blocks(self, request_id: str):
+        """The request's blocks (a live view, as vLLM's)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return self.empty_kv_cache_blocks
+        return self._PendingBlocks(self._flush, state, 0, None)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        self._flush()
+        state = self._requests.get(request_id)
+        return ([] if state is None else state.ids[:],)
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        (ids,) = self.get_block_ids(request_id)
+        return (ids[: _cdiv(num_computed_tokens, self._T)],)
+
+    def create_kv_cache_blocks(self, blocks):
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM (cascade attention is gone): 0 per group."""
+        return [0]
+
+    # -- the step ----------------------------------------------------------------------
+    def new_step_starts(self) -> None:
+        """Issue what the last step left queued (its frees, its async caching)."""
+        self._flush()
+
+    def take_kv_cache_block_copies(self):
+        """``(copies, retained blocks)``: the copy-on-write copies of partial
+        hits decided since the last take, as vLLM ``KVCacheBlockCopy`` (source
+        tree page -> the request's private page). No block needs retaining:
+        gpukv keeps a copy's source valid until the next forward."""
+        self._flush()
+        copies, self._step.copies = self._step.copies, []
+        return copies, []
+
+    def take_new_block_ids(self) -> list[int]:
+        """Block ids allocated since the last take, when the worker zeroes new
+        blocks (``kv_cache_config.needs_kv_cache_zeroing``); else []."""
+        self._flush()
+        ids, self._step.new_block_ids = self._step.new_block_ids, []
+        return ids
+
+    def take_boundary_state_offloads(self) -> dict:
+        """Mamba "align" boundary states: none without Mamba groups."""
+        return {}
+
+    def finalize_partial_tail_offloads(self, request) -> list:
+        return []
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int, num_prompt_tokens=None) -> None:
+        """Full attention skips no blocks."""
+
+    def take_events(self) -> list:
+        """vLLM KV cache events since the last take ([] when events are off)."""
+        if self._events is None:
+            return []
+        self._flush()
+        return self._events.take()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False (nothing changed) while any request
+        holds blocks."""
+        self._flush()
+        if self._requests:
+            return False
+        self._gk.clear_reusable_blocks()
+        if self._events is not None:
+            self._events.cleared()
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # -- connector-only members, refused ------------------------------------------------
+    def get_computed_blocks_for_connector(self, request, max_cache_hit_length=None):
+        raise _unsupported("KV connectors", "get_computed_blocks_for_connector")
+
+    def truncate_computed_blocks(self, blocks, num_computed_tokens):
+        raise _unsupported("KV connectors", "truncate_computed_blocks")
+
+    def pop_blocks_for_free(self, request):
+        raise _unsupported("KV connectors", "deferred block frees (pop_blocks_for_free)")
+
+    def evict_blocks(self, block_ids) -> None:
+        raise _unsupported("KV connectors", "evict_blocks")
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        raise _unsupported("KV connectors", "record_blocks_for_zeroing after a failed load")

@@ -1,0 +1,199 @@
+"""The gpukv calls of a scheduler step, deferred and issued as batched launches.
+
+vLLM's scheduler calls its manager once per request (``allocate_slots``,
+``free``), hundreds of times a step, and wants an answer at once: fits or not.
+The answer needs only counts (obtainable pages, pages promised so far), so the
+adapter decides in Python and queues the gpukv work, then issues it as one
+launch per kind of call when something needs the result:
+
+- **allocations** (a new request's cache: create with its hit, resume, resize;
+  a running request's growth: resize), in the order they were decided;
+- **commits** of the tokens vLLM caches at allocation time;
+- **closes** of freed requests.
+
+A flush issues them in that order. That is the order the calls were made in,
+because the manager keeps two rules: a close is queued only behind
+allocations already decided (it comes after them anyway), and before deciding
+an allocation the manager flushes pending closes (their pages must count).
+Commits commute with both: a commit turns a request's own held pages into tree
+pages and never changes what is obtainable (under ``stable_pages`` a
+duplicate block keeps its own page).
+
+What needs a flush: a prefix lookup (the tree must hold every block vLLM has
+cached so far, and evictions must have happened where vLLM's would), every
+read of block ids, counts, events or copies, and the step's start.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .blocks import BlockIds
+
+
+class RequestState:
+    """The adapter's record of one admitted request."""
+
+    __slots__ = (
+        "request", "kv", "blocks", "ids", "num_blocks", "hit", "committed", "target",
+        "admit_tokens", "scope", "in_alloc", "in_commit", "freed",
+    )
+
+    def __init__(self, request, scope, hit: int, admit_tokens, hit_blocks: list, hit_ids: list):
+        self.request = request
+        self.kv = None  # the gpukv KVCache, once the admission is issued
+        self.blocks = hit_blocks  # vLLM KVCacheBlock objects, append-only (the worker's block table)
+        self.ids = hit_ids  # their block ids, kept beside them (get_block_ids is read every step)
+        self.num_blocks = len(hit_blocks)  # blocks once the pending allocation is issued
+        self.hit = hit  # tokens reused at admission
+        self.committed = hit  # tokens committed into gpukv's tree (issued)
+        self.target = hit  # tokens to commit (decided)
+        self.admit_tokens = admit_tokens  # the hit's tokens until the cache is created, then None
+        self.scope = scope
+        self.in_alloc = False
+        self.in_commit = False
+        self.freed = False  # vLLM freed it; its close may still be queued
+
+
+class StepCalls:
+    def __init__(self, gk, block_size: int, ids: BlockIds, events, cached_blocks: dict, record_new_ids: bool):
+        self._gk = gk
+        self._T = block_size
+        self._ids = ids
+        self._events = events  # EventLog or None
+        self._cached_blocks = cached_blocks  # request id -> cached full blocks (vLLM's num_cached_block)
+        self._record_new_ids = record_new_ids
+        self.alloc: list[RequestState] = []
+        self.commits: list[RequestState] = []
+        self.closes: list = []
+        self.pending_pages = 0  # pages the queued allocations will take out of the obtainable count
+        self.copies: list = []  # vLLM KVCacheBlockCopy, for take_kv_cache_block_copies
+        self.new_block_ids: list[int] = []  # for take_new_block_ids (KV zeroing)
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.alloc or self.commits or self.closes)
+
+    # -- queueing -----------------------------------------------------------------
+    def allocate(self, state: RequestState, pages: int) -> None:
+        self.pending_pages += pages
+        if not state.in_alloc:
+            state.in_alloc = True
+            self.alloc.append(state)
+
+    def commit(self, state: RequestState, target: int) -> None:
+        if target <= state.target:
+            return
+        state.target = target
+        if not state.in_commit:
+            state.in_commit = True
+            self.commits.append(state)
+
+    def close(self, state: RequestState) -> None:
+        state.freed = True
+        self.closes.append(state)
+
+    # -- issuing -----------------------------------------------------------------
+    def flush(self) -> None:
+        """Issue everything queued, in the order it was decided."""
+        if self.alloc:
+            self._issue_allocations()
+        if self.commits:
+            self._issue_commits()
+        if self.closes:
+            closes, self.closes = self.closes, []
+            self._gk.close_batch([s.kv for s in closes])
+
+    def _issue_allocations(self) -> None:
+        alloc, self.alloc = self.alloc, []
+        self.pending_pages = 0
+        # Runs of admissions and of growths, each in decision order: an
+        # admission holds its hit before the resize that follows it.
+        start = 0
+        while start < len(alloc):
+            admitting = alloc[start].kv is None
+            stop = start + 1
+            while stop < len(alloc) and (alloc[stop].kv is None) == admitting:
+                stop += 1
+            run = alloc[start:stop]
+            if admitting:
+                self._create(run)
+            ok = self._gk.resize_batch([s.kv for s in run], [s.num_blocks * self._T for s in run])
+            if not ok.all():
+                bad = run[int(np.argmin(ok))]
+                raise RuntimeError(
+                    f"gpukv refused pages the adapter had counted for request {bad.request.request_id!r} "
+                    f"({bad.num_blocks} blocks): the obtainable-page count and the allocations disagree"
+                )
+            for s in run:
+                s.in_alloc = False
+                self._take_new_blocks(s, admitting)
+            start = stop
+        self._take_copies()
+
+    def _create(self, run: list) -> None:
+        gk = self._gk
+        kvs = gk.create_kv_caches([s.admit_tokens for s in run], scopes=[s.scope for s in run])
+        for s, kv in zip(run, kvs):
+            s.kv = kv
+            s.admit_tokens = None
+            if kv.num_committed_tokens != s.hit:
+                raise RuntimeError(
+                    f"request {s.request.request_id!r}: its prefix hit of {s.hit} tokens is stale "
+                    f"({kv.num_committed_tokens} reusable now); allocate_slots must follow get_computed_blocks "
+                    "with no allocation or free in between"
+                )
+        ok = gk.resume_batch(kvs)
+        if not ok.all():
+            bad = run[int(np.argmin(ok))]
+            raise RuntimeError(f"gpukv refused to resume the new cache of request {bad.request.request_id!r}")
+
+    def _take_new_blocks(self, s: RequestState, admitted: bool) -> None:
+        """Append the pages the resize gave ``s`` to its block list."""
+        have = len(s.ids)
+        all_pages = s.kv.page_indices(0).astype(np.int64)
+        if admitted and have and (all_pages[:have] + 1).tolist() != s.ids:
+            raise RuntimeError(
+                f"request {s.request.request_id!r}: gpukv holds other pages for its hit than get_computed_blocks reported"
+            )
+        pages = all_pages[have:s.num_blocks]
+        if not len(pages):
+            return
+        new_ids = (pages + 1).tolist()
+        s.blocks.extend(self._ids.of_pages(pages))
+        s.ids.extend(new_ids)
+        if self._events is not None:
+            self._events.reallocated(pages)
+        if self._record_new_ids:
+            self.new_block_ids.extend(new_ids)
+
+    def _take_copies(self) -> None:
+        copies = self._gk.take_page_copies()
+        if not len(copies):
+            return
+        from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+        if (copies.src_level != 0).any() or (copies.dst_level != 0).any():
+            raise RuntimeError("gpukv decided a host-tier copy, but the adapter configures no host tier")
+        self.copies.extend(
+            KVCacheBlockCopy(src_block_id=s, dst_block_id=d)
+            for s, d in zip((copies.src_index + 1).tolist(), (copies.dst_index + 1).tolist())
+        )
+
+    def _issue_commits(self) -> None:
+        commits, self.commits = self.commits, []
+        live = [s for s in commits if s.target > s.committed]
+        for s in commits:
+            s.in_commit = False
+        if not live:
+            return
+        self._gk.commit_batch([s.kv for s in live], [s.request._all_token_ids[s.committed:s.target] for s in live])
+        T = self._T
+        for s in live:
+            first, stop = s.committed // T, s.target // T
+            s.committed = s.target
+            if stop > first:
+                if not s.freed:
+                    self._cached_blocks[s.request.request_id] = stop
+                if self._events is not None:
+                    self._events.stored(s.request, first, stop, np.asarray(s.ids[first:stop], dtype=np.int64) - 1)
