@@ -62,9 +62,48 @@ def _number(kind, minimum, strict: bool):
     return parse
 
 
+def _at_most(kind, maximum):
+    """An argparse type: a finite ``kind`` (int or float) of at most
+    ``maximum``. Sizes are bounded where a larger value could only end in
+    running out of memory on any machine gpukv runs on; the lower bounds are
+    the command's and the configuration's own checks, which name the flag."""
+    def parse(text: str):
+        value = kind(text)  # a ValueError: argparse reports an invalid int / float value
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:,}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 POSITIVE = _number(float, 0, strict=True)
 NON_NEGATIVE = _number(float, 0, strict=False)
 SEED = _number(int, 0, strict=False)
+PAGES = _at_most(int, 1 << 24)  # pages per life cycle: 2**24 pages of 32 tokens hold 512 M tokens of KV
+COUNT = _at_most(int, 10**6)  # requests, conversations
+TOKENS = _at_most(int, 1 << 24)  # per step, per chunk, a window, tokens per block
+RUNNING = _at_most(int, 1 << 16)  # a running batch, a match batch
+WORKERS = _at_most(int, 64)  # engines, each with a manager of its own
+SECONDS = _at_most(float, 86400)
+
+
+def _endpoint(text: str) -> str:
+    """A ZMQ endpoint flag: an empty one is a mistake, not the flag left out."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected an endpoint such as tcp://127.0.0.1:5557, got an empty string")
+    return text
+
+
+def _policy(args) -> str | None:
+    """``--policy`` with ``--no-partial-reuse`` folded in (None: the default)."""
+    if args.no_partial_reuse:
+        if args.policy not in (None, "full-blocks"):
+            raise ValueError("--no-partial-reuse contradicts --policy per-page")
+        return "full-blocks"
+    return args.policy
 
 
 def _versions() -> dict:
@@ -249,7 +288,7 @@ def cmd_compile(args) -> int:
     from .sim import simulate as sim
 
     options = sim.SimOptions(
-        policy="full-blocks" if args.no_partial_reuse else (args.policy or "per-page"), model=args.model,
+        policy=_policy(args) or "per-page", model=args.model,
         tokens_per_block=args.tokens_per_block, window=args.window, host_pages=args.host_pages, backend=args.backend,
     )
     options.validate()
@@ -278,10 +317,7 @@ def cmd_simulate(args) -> int:
         raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
     if args.conversations < 0:
         raise ValueError(f"--conversations must be >= 0, got {args.conversations}")
-    if args.no_partial_reuse:
-        if args.policy not in (None, "full-blocks"):
-            raise ValueError("--no-partial-reuse contradicts --policy per-page")
-        args.policy = "full-blocks"
+    args.policy = _policy(args)
     policies = list(sim.POLICIES) if args.compare else [args.policy or "per-page"]
     if args.compare and args.policy is not None:
         raise ValueError("--compare runs both policies; leave out --policy / --no-partial-reuse")
@@ -289,11 +325,11 @@ def cmd_simulate(args) -> int:
         report.require_matplotlib()
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
-    if args.kv_events_replay and not args.kv_events:
+    if args.kv_events_replay is not None and args.kv_events is None:
         raise ValueError("--kv-events-replay needs --kv-events")
     if args.kv_events_wait < 0:
         raise ValueError(f"--kv-events-wait must be >= 0, got {args.kv_events_wait}")
-    if args.kv_events and args.compare:
+    if args.kv_events is not None and args.compare:
         raise ValueError("--compare runs twice and would publish twice on the same endpoints; leave out one of them")
     args.trace = trace_path(args.trace)
     first = sim.SimOptions(policy=policies[0], model=args.model, tokens_per_block=args.tokens_per_block,
@@ -306,7 +342,7 @@ def cmd_simulate(args) -> int:
             policy=policy, model=args.model, tokens_per_block=args.tokens_per_block, window=args.window,
             pages=args.pages, host_pages=args.host_pages, max_batch_tokens=args.max_batch_tokens,
             prefill_chunk=args.prefill_chunk, decode_chunk=args.decode_chunk, max_running=args.max_running,
-            order=args.order, step_ms=args.step_ms, backend=args.backend, kv_events=bool(args.kv_events),
+            order=args.order, step_ms=args.step_ms, backend=args.backend, kv_events=args.kv_events is not None,
         )
         options.validate()
         if args.trace:
@@ -317,7 +353,7 @@ def cmd_simulate(args) -> int:
             if args.limit is not None:
                 workload.requests = workload.requests[: args.limit]
         progress = sys.stderr.isatty() and not args.no_progress
-        if args.workers > 1 or args.kv_events:
+        if args.workers > 1 or args.kv_events is not None:
             from .sim.cluster import run_cluster
 
             runs.append(run_cluster(workload, options, args.workers, args.kv_events, args.kv_events_replay,
@@ -338,14 +374,18 @@ def cmd_simulate(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "cudasim"])
+    common.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "cudasim"],
+                        help="where the tables and kernels run: auto (cuda when a GPU, CuPy and numba-cuda work, "
+                             "else cpu; $GPUKV_BACKEND overrides it), cpu, cuda, or cudasim (Numba's CUDA simulator)")
     import gpukv
 
     p = argparse.ArgumentParser(prog="gpukv", description="GPU-resident KV-cache prefix-reuse index. "
                                 "Without a command, runs `gpukv simulate`.")
     p.add_argument("--version", action="version", version=f"gpukv {gpukv.__version__}")
     sub = p.add_subparsers(dest="command")
-    sub.add_parser("info", parents=[common], help="backend, versions and default config")
+    sub.add_parser("info", parents=[common], help="backend, versions and default config",
+                   description="Print the backend gpukv would use here (and why), the versions of the libraries "
+                               "it runs on, and a default manager's configuration and index memory.")
 
     s = sub.add_parser(
         "simulate", parents=[common], help="replay a workload through a scheduler driving gpukv (the default)",
@@ -354,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w = s.add_argument_group("workload")
     w.add_argument("--trace", metavar="FILE", nargs="?", const="", help=TRACE_HELP)
-    w.add_argument("--limit", type=int, metavar="N", help="take the first N requests")
-    w.add_argument("--conversations", type=int, default=200, metavar="N", help="built-in workload: conversations (default 200)")
+    w.add_argument("--limit", type=COUNT, metavar="N", help="take the first N requests")
+    w.add_argument("--conversations", type=COUNT, default=200, metavar="N", help="built-in workload: conversations (default 200)")
     w.add_argument("--duration", type=NON_NEGATIVE, default=60.0, metavar="S",
                    help="built-in workload: conversations start within S simulated seconds (default 60)")
     w.add_argument("--seed", type=SEED, default=0, metavar="N", help="built-in workload: random seed (>= 0)")
@@ -368,29 +408,29 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", action="store_true", help="run both policies on the same workload, side by side")
     c.add_argument("--model", choices=["hybrid", "attention"], default="hybrid",
                    help="hybrid: full attention + sliding window + SSM layers (default); attention: full attention")
-    c.add_argument("--tokens-per-block", type=int, default=64, metavar="T", help="tokens per block (default 64)")
-    c.add_argument("--window", type=int, default=1024, metavar="W", help="sliding window of the hybrid model (tokens)")
-    c.add_argument("--pages", type=int, metavar="N", help="GPU pages per life cycle (default: sized for pressure from the workload)")
-    c.add_argument("--host-pages", type=int, default=0, metavar="N", help="host-tier pages per life cycle (default 0: no host tier)")
+    c.add_argument("--tokens-per-block", type=TOKENS, default=64, metavar="T", help="tokens per block (default 64)")
+    c.add_argument("--window", type=TOKENS, default=1024, metavar="W", help="sliding window of the hybrid model (tokens)")
+    c.add_argument("--pages", type=PAGES, metavar="N", help="GPU pages per life cycle (default: sized for pressure from the workload)")
+    c.add_argument("--host-pages", type=PAGES, default=0, metavar="N", help="host-tier pages per life cycle (default 0: no host tier)")
     g = s.add_argument_group("scheduler")
-    g.add_argument("--max-batch-tokens", type=int, default=4096, metavar="N", help="tokens computed per step (default 4096)")
-    g.add_argument("--prefill-chunk", type=int, default=2048, metavar="N", help="largest prefill chunk (default 2048)")
-    g.add_argument("--decode-chunk", type=int, default=1, metavar="N", help="tokens a decoding request adds per step (default 1)")
-    g.add_argument("--max-running", type=int, default=64, metavar="N", help="largest running batch (default 64)")
+    g.add_argument("--max-batch-tokens", type=TOKENS, default=4096, metavar="N", help="tokens computed per step (default 4096)")
+    g.add_argument("--prefill-chunk", type=TOKENS, default=2048, metavar="N", help="largest prefill chunk (default 2048)")
+    g.add_argument("--decode-chunk", type=TOKENS, default=1, metavar="N", help="tokens a decoding request adds per step (default 1)")
+    g.add_argument("--max-running", type=RUNNING, default=64, metavar="N", help="largest running batch (default 64)")
     g.add_argument("--order", choices=["longest-prefix", "arrival"], default="longest-prefix",
                    help="admission order of the waiting queue (default longest-prefix)")
-    g.add_argument("--step-ms", type=float, default=25.0, metavar="MS", help="simulated duration of a step (default 25 ms)")
+    g.add_argument("--step-ms", type=_at_most(float, 60_000), default=25.0, metavar="MS", help="simulated duration of a step (default 25 ms)")
     k = s.add_argument_group("cluster and KV events")
-    k.add_argument("--workers", type=int, default=1, metavar="N",
+    k.add_argument("--workers", type=WORKERS, default=1, metavar="N",
                    help="N engines, each with its own cache; the simulator routes each conversation to the one "
                         "that reuses most of it (default 1)")
-    k.add_argument("--kv-events", metavar="ENDPOINT",
+    k.add_argument("--kv-events", type=_endpoint, metavar="ENDPOINT",
                    help="publish each worker's KV cache events over ZMQ in vLLM's format, worker i on ENDPOINT's "
                         "port + i (e.g. tcp://127.0.0.1:5557), for a KV router to subscribe to "
                         "(needs pyzmq and msgspec: pip install -e '.[events]' in a checkout)")
-    k.add_argument("--kv-events-replay", metavar="ENDPOINT",
+    k.add_argument("--kv-events-replay", type=_endpoint, metavar="ENDPOINT",
                    help="also serve replay requests, worker i on ENDPOINT's port + i")
-    k.add_argument("--kv-events-wait", type=float, default=0.0, metavar="S",
+    k.add_argument("--kv-events-wait", type=SECONDS, default=0.0, metavar="S",
                    help="before starting, wait up to S seconds for a router to subscribe to every worker (default 0)")
     o = s.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -406,23 +446,28 @@ def build_parser() -> argparse.ArgumentParser:
                     "folder per version of the kernel sources.",
     )
     cc.add_argument("--model", choices=["hybrid", "attention"], default="hybrid", help="as gpukv simulate --model")
-    cc.add_argument("--tokens-per-block", type=int, default=64, metavar="T", help="tokens per block (default 64)")
-    cc.add_argument("--window", type=int, default=1024, metavar="W", help="sliding window of the hybrid model (tokens)")
+    cc.add_argument("--tokens-per-block", type=TOKENS, default=64, metavar="T", help="tokens per block (default 64)")
+    cc.add_argument("--window", type=TOKENS, default=1024, metavar="W", help="sliding window of the hybrid model (tokens)")
     cc.add_argument("--policy", choices=["per-page", "full-blocks"], help="as gpukv simulate --policy")
     cc.add_argument("--no-partial-reuse", action="store_true", help="the same as --policy full-blocks")
-    cc.add_argument("--host-pages", type=int, default=0, metavar="N", help="host-tier pages per life cycle")
+    cc.add_argument("--host-pages", type=PAGES, default=0, metavar="N", help="host-tier pages per life cycle")
     cc.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
-    m = sub.add_parser("match", parents=[common], help="replay a workload through batched reuse matching only")
+    m = sub.add_parser(
+        "match", parents=[common], help="replay a workload through batched reuse matching only",
+        description="Match batches of arriving requests against the reuse index, then insert each finished "
+                    "prompt, with no KV caches and no page pressure; report reuse and match latency.",
+    )
     m.add_argument("--trace", metavar="FILE", nargs="?", const="", help=TRACE_HELP)
-    m.add_argument("--limit", type=int, help="take the first N requests")
-    m.add_argument("--conversations", type=int, default=300, help="built-in workload size")
-    m.add_argument("--seed", type=SEED, default=0)
-    m.add_argument("--batch", type=int, default=64, help="requests matched per match_batch call")
-    m.add_argument("--tokens-per-block", type=int, default=32)
-    m.add_argument("--pages", type=int, default=1 << 20, help="pages per life cycle")
+    m.add_argument("--limit", type=COUNT, metavar="N", help="take the first N requests")
+    m.add_argument("--conversations", type=COUNT, default=300, metavar="N", help="built-in workload: conversations (default 300)")
+    m.add_argument("--seed", type=SEED, default=0, metavar="N", help="built-in workload: random seed (>= 0)")
+    m.add_argument("--batch", type=RUNNING, default=64, metavar="N", help="requests matched per match_batch call (default 64)")
+    m.add_argument("--tokens-per-block", type=TOKENS, default=32, metavar="T", help="tokens per block (default 32)")
+    m.add_argument("--pages", type=PAGES, default=1 << 20, metavar="N", help="pages per life cycle (default 1048576)")
     m.add_argument("--no-partial-reuse", action="store_true", help="reuse full blocks only, as block-granular engines do")
     m.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.commands = sub.choices  # name -> the command's parser
     return p
 
 
@@ -435,7 +480,9 @@ def main(argv=None) -> int:
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
         argv = ["simulate", *argv]  # the main job is the default command
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # said by the command's own parser, with its usage, not the top level's
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as e:  # argparse has printed the usage (or the version) and what is wrong
         return int(e.code or 0)
     from .core.backend import BackendError
@@ -454,6 +501,10 @@ def main(argv=None) -> int:
             return 0
         except (ValueError, TypeError, OSError, BackendError, MissingDependency) as e:
             print(f"gpukv: error: {e}", file=sys.stderr)
+            return 2
+        except MemoryError:
+            print("gpukv: error: out of memory: the run asks for more than this machine has "
+                  "(fewer --pages, --host-pages, --conversations or --max-running)", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("\ngpukv: interrupted", file=sys.stderr)

@@ -263,3 +263,20 @@ def test_plot_of_runs_without_requests(tmp_path):
     assert report.plot_series(runs)["saved"]["total"] == 0
     report.plot(runs, str(tmp_path / "empty.png"))
     assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_an_unknown_flag_is_reported_with_the_commands_own_usage(capsys):
+    assert cli.main(["simulate", "--polcy", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: gpukv simulate") and "unrecognized arguments: --polcy x" in err, err
+    assert cli.main(["match", "--bogus"]) == 2
+    assert capsys.readouterr().err.startswith("usage: gpukv match")
+
+
+def test_every_option_of_every_command_says_what_it_is_for():
+    parser = cli.build_parser()
+    for name, command in parser.commands.items():
+        assert command.description, f"gpukv {name} has no description"
+        for action in command._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"gpukv {name} {action.option_strings[0]} has no help"

@@ -377,6 +377,27 @@ def test_the_workload_functions_check_their_numbers_too(tmp_path):
         sim.trace_workload(trace_file(tmp_path, [GOOD]), time_scale=float("nan"))
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "100000"], "--workers: must be at most 64"),
+    (["--pages", str(10**12)], "--pages: must be at most 16,777,216"),
+    (["--host-pages", str(10**12)], "--host-pages: must be at most 16,777,216"),
+    (["--max-running", str(10**9)], "--max-running: must be at most 65,536"),
+    (["--conversations", str(10**9)], "--conversations: must be at most 1,000,000"),
+    (["match", "--pages", str(10**12)], "--pages: must be at most 16,777,216"),
+    (["--kv-events", "tcp://127.0.0.1:5999", "--kv-events-wait", "inf"], "--kv-events-wait: must be a finite number"),
+    (["--kv-events", "tcp://127.0.0.1:5999", "--kv-events-wait", "nan"], "--kv-events-wait: must be a finite number"),
+    (["--kv-events", "tcp://127.0.0.1:5999", "--kv-events-wait", "1e308"], "--kv-events-wait: must be at most 86,400"),
+    (["--kv-events", ""], "--kv-events: expected an endpoint"),
+    (["compile", "--policy", "per-page", "--no-partial-reuse"], "--no-partial-reuse contradicts --policy per-page"),
+])
+def test_absurd_sizes_and_contradictions_on_the_command_line_are_named(argv, message, capsys):
+    """Each of these once ended in a MemoryError traceback, waited forever,
+    or was silently taken as something else; nothing is allocated for them."""
+    assert cli_main([*argv, "--backend", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
 def test_match_into_a_closed_pipe_exits_quietly():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(gpukv.__file__)),
                                                        os.environ.get("PYTHONPATH", "")]))
