@@ -56,8 +56,10 @@ module so that the protocol is read in one place, against vLLM's.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -269,7 +271,20 @@ def _check_endpoint(name: str, endpoint) -> str:
     if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ValueError(f"{name} must be a ZMQ endpoint string (tcp://host:port, ipc://path, inproc://name), "
                          f"got {endpoint!r}")
+    if "\x00" in endpoint:  # ZMQ would bind the part before it
+        raise ValueError(f"{name} must not contain a NUL character, got {endpoint!r}")
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rpartition(":")[2]
+        # ZMQ wraps a port number past 16 bits instead of refusing it.
+        if port != "*" and not (port.isdigit() and port.isascii() and int(port) <= 65535):
+            raise ValueError(f"{name} must name a tcp port 0..65535 (or *), got {endpoint!r}")
     return endpoint
+
+
+def _check_int(name: str, value, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an int >= {lo} and <= {hi:,}, got {value!r}")
+    return value
 
 
 def _bind(sock, name: str, endpoint: str) -> str:
@@ -319,17 +334,23 @@ class ZmqEventPublisher:
             _check_endpoint("replay_endpoint", replay_endpoint)
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
-        for name, value, lo in (("data_parallel_rank", data_parallel_rank, 0), ("buffer_steps", buffer_steps, 1),
-                                ("hwm", hwm, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-        if lora_names is not None and not all(
-            isinstance(k, int) and isinstance(v, str) for k, v in dict(lora_names).items()
-        ):
-            raise TypeError("lora_names must map int LoRA ids to str names")
+        try:
+            topic_bytes = topic.encode()
+        except UnicodeEncodeError as e:
+            raise ValueError(f"topic must be encodable as UTF-8, got {topic!r} ({e.reason})") from None
+        # Bounds of the wire and the socket options: a rank is a msgpack
+        # int, a high-water mark a C int, and the replay socket holds two
+        # messages per buffered batch.
+        _check_int("data_parallel_rank", data_parallel_rank, 0, 2**31 - 1)
+        _check_int("buffer_steps", buffer_steps, 1, 10**6)
+        _check_int("hwm", hwm, 1, 2**31 - 1)
+        if lora_names is not None and (not isinstance(lora_names, Mapping) or not all(
+            isinstance(k, int) and not isinstance(k, bool) and isinstance(v, str) for k, v in lora_names.items()
+        )):
+            raise TypeError(f"lora_names must map int LoRA ids to str names, got {lora_names!r}")
 
         self._mgr = mgr
-        self._topic = topic.encode()
+        self._topic = topic_bytes
         self._rank = data_parallel_rank
         self._translator = _Translator(mgr.tokens_per_block, mgr.life_cycles, lora_names)
         self._encoder = msgspec.msgpack.Encoder()
@@ -359,11 +380,17 @@ class ZmqEventPublisher:
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self.replay_endpoint = _bind(self._replay, "replay_endpoint", replay_endpoint)
-                self._thread = threading.Thread(target=self._serve_replay, name="gpukv-zmq-replay", daemon=True)
+                # The thread is handed what it serves, not the publisher, so a
+                # publisher dropped without close() is collected and closed.
+                self._thread = threading.Thread(
+                    target=_serve_replay, args=(self._replay, self._stop, self._buffer, self._buffer_lock, self._topic),
+                    name="gpukv-zmq-replay", daemon=True,
+                )
                 self._thread.start()
         except BaseException:
-            self._close_sockets()
+            _shut(self._stop, self._thread, self._pub, self._replay)
             raise
+        self._finalizer = weakref.finalize(self, _shut, self._stop, self._thread, self._pub, self._replay)
 
     # -- publishing ------------------------------------------------------------------
     def publish(self) -> int | None:
@@ -405,6 +432,7 @@ class ZmqEventPublisher:
     def subscriptions(self) -> int:
         """Topics routers are subscribed to now (0 while nobody listens; the
         socket reports a topic once, however many routers share it)."""
+        self._check_open()
         self._drain_subscriptions()
         return self._subscriptions
 
@@ -413,6 +441,8 @@ class ZmqEventPublisher:
         if none did (publishing works either way: batches nobody hears stay
         replayable)."""
         self._check_open()
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
         deadline = time.monotonic() + timeout
         while self.subscriptions == 0:
             left = deadline - time.monotonic()
@@ -423,13 +453,8 @@ class ZmqEventPublisher:
 
     def close(self) -> None:
         """Stop the replay thread and close the sockets (idempotent)."""
-        if self._closed:
-            return
         self._closed = True
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-        self._close_sockets()
+        self._finalizer()
 
     def __enter__(self):
         return self
@@ -453,33 +478,42 @@ class ZmqEventPublisher:
             elif msg[:1] == b"\x00":
                 self._subscriptions = max(0, self._subscriptions - 1)
 
-    def _serve_replay(self):
-        sock = self._replay
-        while not self._stop.is_set():
-            try:
-                if not sock.poll(50, zmq.POLLIN):
-                    continue
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return  # the socket was closed under us: shutting down
-            client = frames[0]
-            if len(frames) != 3 or len(frames[2]) != 8:
-                self._send_replay(client, (b"", END_SEQ, b""))  # malformed: answered with the end marker alone
-                continue
-            start = int.from_bytes(frames[2], "big", signed=True)
-            with self._buffer_lock:
-                batches = [(s, p) for s, p in self._buffer if s >= start]
-            for s, p in batches:
-                self._send_replay(client, (self._topic, s.to_bytes(8, "big"), p))
-            self._send_replay(client, (b"", END_SEQ, b""))
 
-    def _send_replay(self, client: bytes, frames):
+def _serve_replay(sock, stop, buffer, lock, topic: bytes):
+    """The replay thread: answer each request with the buffered batches from
+    the asked sequence number on, then the end marker."""
+    while not stop.is_set():
         try:
-            self._replay.send_multipart((client, b"", *frames), flags=zmq.NOBLOCK)
+            if not sock.poll(50, zmq.POLLIN):
+                continue
+            frames = sock.recv_multipart(flags=zmq.NOBLOCK)
         except zmq.ZMQError:
-            pass  # the requester went away or stopped reading: it asks again
+            return  # the socket was closed under us: shutting down
+        client = frames[0]
+        if len(frames) != 3 or len(frames[2]) != 8:
+            _send_replay(sock, client, (b"", END_SEQ, b""))  # malformed: answered with the end marker alone
+            continue
+        start = int.from_bytes(frames[2], "big", signed=True)
+        with lock:
+            batches = [(s, p) for s, p in buffer if s >= start]
+        for s, p in batches:
+            _send_replay(sock, client, (topic, s.to_bytes(8, "big"), p))
+        _send_replay(sock, client, (b"", END_SEQ, b""))
 
-    def _close_sockets(self):
-        for sock in (self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
+
+def _send_replay(sock, client: bytes, frames):
+    try:
+        sock.send_multipart((client, b"", *frames), flags=zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass  # the requester went away or stopped reading: it asks again
+
+
+def _shut(stop, thread, *sockets):
+    """Stop the replay thread and close the sockets (once, by ``close()`` or
+    when the publisher is collected)."""
+    stop.set()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=2.0)
+    for sock in sockets:
+        if sock is not None:
+            sock.close(linger=0)

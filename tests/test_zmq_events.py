@@ -340,6 +340,15 @@ def test_an_endpoint_that_cannot_be_bound_is_a_clear_error():
         (dict(data_parallel_rank=-1), ValueError, "data_parallel_rank must be an int >= 0"),
         (dict(topic=b"kv"), TypeError, "topic must be a str"),
         (dict(lora_names={"7": "x"}), TypeError, "lora_names must map int"),
+        (dict(lora_names=[1]), TypeError, r"lora_names must map int LoRA ids to str names, got \[1\]"),
+        (dict(endpoint="tcp://127.0.0.1:99999"), ValueError, "endpoint must name a tcp port 0..65535"),
+        (dict(endpoint="tcp://127.0.0.1:-1"), ValueError, "endpoint must name a tcp port 0..65535"),
+        (dict(endpoint="tcp://127.0.0.1:0\x00junk"), ValueError, "endpoint must not contain a NUL"),
+        (dict(replay_endpoint="tcp://127.0.0.1:70000"), ValueError, "replay_endpoint must name a tcp port"),
+        (dict(data_parallel_rank=2**64), ValueError, "data_parallel_rank must be an int >= 0 and <= 2,147,483,647"),
+        (dict(hwm=2**31), ValueError, "hwm must be an int >= 1 and <= 2,147,483,647"),
+        (dict(buffer_steps=2**40), ValueError, "buffer_steps must be an int >= 1 and <= 1,000,000"),
+        (dict(topic="kv\ud800"), ValueError, "topic must be encodable as UTF-8"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, exc, match):
@@ -373,6 +382,33 @@ def test_a_closed_publisher_refuses_to_publish():
     pub.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         pub.publish()
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.subscriptions
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.wait_for_subscriber(0)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1, "1", True])
+def test_a_wait_needs_a_finite_timeout(timeout):
+    with ZmqEventPublisher(manager(), endpoint="tcp://127.0.0.1:0") as pub:
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+            pub.wait_for_subscriber(timeout)
+
+
+def test_a_publisher_dropped_without_close_ends_its_thread_and_frees_its_ports():
+    import gc
+    import threading
+
+    mgr = manager()
+    pub = ZmqEventPublisher(mgr, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    endpoints, thread = (pub.endpoint, pub.replay_endpoint), pub._thread
+    assert thread.is_alive()
+    del pub
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive() and thread not in threading.enumerate()
+    with ZmqEventPublisher(mgr, endpoint=endpoints[0], replay_endpoint=endpoints[1]) as again:  # both free
+        assert again.endpoint == endpoints[0]
 
 
 def test_hex_event_hashes_are_sent_as_their_64_bit_ints(pub_sub):
