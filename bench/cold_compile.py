@@ -19,9 +19,9 @@ import sys
 import tempfile
 import time
 
-from gpukv.kernel_cache import JOBS
+from gpukv.compile import JOBS
 
-CODE = "import gpukv; from gpukv import kernel_cache; kernel_cache.run_job(gpukv.CacheConfig(backend='cpu'), {job!r})"
+CODE = "import gpukv; from gpukv import compile as jobs; jobs.run_job(gpukv.CacheConfig(backend='cpu'), {job!r})"
 
 
 def measure(job: str) -> tuple[float, float]:

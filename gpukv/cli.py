@@ -160,10 +160,9 @@ def _requests(args):
 def _warm_up(config, T):
     """Compile (or load) every kernel the replay uses before anything is timed."""
     import gpukv
-    from gpukv import introspect
 
     mgr = gpukv.KVCacheManager(config)
-    introspect.insert_sequence(mgr, list(range(2 * T + 1)))
+    mgr._tree.insert(list(range(2 * T + 1)))
     seqs = [mgr.token_sequence(list(range(3 * T))) for _ in range(64)]
     mgr.match_batch(seqs)
     mgr.match_batch([list(range(2 * T))])
@@ -176,7 +175,6 @@ def cmd_match(args) -> int:
     import numpy as np
 
     import gpukv
-    from gpukv import introspect
 
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
@@ -204,7 +202,7 @@ def cmd_match(args) -> int:
         latencies.append(time.perf_counter() - t0)
         sizes.append(int(sum(len(t) for t in batch)))
         for s, t in zip(seqs, batch):  # each finished prompt is kept for reuse
-            stored_blocks += introspect.insert_sequence(mgr, t)
+            stored_blocks += mgr._tree.insert(t)  # as a finished request would leave them
             s.release()
         if show:
             print(f"\r{min(lo + args.batch, len(tokens))}/{len(tokens)} requests", end="", file=sys.stderr)
@@ -244,6 +242,7 @@ def _compile_kernels(config, show_progress: bool) -> dict | None:
     whose kernels are not kept on disk)."""
     import time
 
+    from . import compile as jobs
     from . import kernel_cache
     from .core.backend import CACHE_DIR, get_backend
 
@@ -273,7 +272,7 @@ def _compile_kernels(config, show_progress: bool) -> dict | None:
             print(f"gpukv: {len(ready)}/{len(names)} kernels: {name} ready ({time.perf_counter() - t0:.0f} s)",
                   file=sys.stderr, flush=True)
 
-    result = kernel_cache.compile_kernels(config, progress=progress)
+    result = jobs.compile_kernels(config, progress=progress)
     if show_progress:
         print(file=sys.stderr)
     print(f"gpukv: kernels compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

@@ -53,8 +53,8 @@ def test_a_kernel_compiled_on_first_use_is_announced_and_then_cached(tmp_path):
         import logging
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         import gpukv
-        from gpukv import kernel_cache
-        kernel_cache.run_job(gpukv.CacheConfig(backend="cpu", tokens_per_block=4), "match")
+        from gpukv import compile as jobs, kernel_cache
+        jobs.run_job(gpukv.CacheConfig(backend="cpu", tokens_per_block=4), "match")
         print("missing:", kernel_cache.missing("cpu"))
     """
     first = run_cold(code, tmp_path)
@@ -96,3 +96,48 @@ def test_gpukv_compile_from_cold_builds_all_kernels_in_parallel(tmp_path):
     again = subprocess.run([sys.executable, "-m", "gpukv.cli", "compile", "--backend", "cpu"], env=env,
                            capture_output=True, text=True, timeout=600)
     assert "(0 compiled now, 6 already there)" in again.stdout, again.stdout + again.stderr
+
+
+def _compile_workers(cache_dir) -> list[int]:
+    """Pids of the compile workers writing into ``cache_dir`` (Linux /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"gpukv.compile" in cmd and f"GPUKV_CACHE_DIR={cache_dir}".encode() in env:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process table from /proc")
+def test_sigterm_during_a_cold_compile_takes_the_workers_with_it(tmp_path):
+    """``timeout``, ``docker stop`` and a cancelled CI job send SIGTERM: the
+    compile workers must not be left running with parent 1."""
+    import signal
+    import time
+
+    env = dict(os.environ, GPUKV_CACHE_DIR=str(tmp_path), PYTHONPATH=ROOT)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    proc = subprocess.Popen([sys.executable, "-m", "gpukv.cli", "compile", "--backend", "cpu", "--no-progress"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not _compile_workers(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = _compile_workers(tmp_path)
+        assert workers, "no compile worker started"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _compile_workers(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _compile_workers(tmp_path) == [], "compile workers outlived their parent"
+    finally:
+        proc.kill()
+        for pid in _compile_workers(tmp_path):
+            os.kill(pid, signal.SIGKILL)
