@@ -57,11 +57,11 @@ class EventLog:
         )
 
         T = self.block_size
-        extra = None
         if request.lora_request is not None or request.cache_salt:
-            extra = to_event_extra_keys(
-                [generate_block_hash_extra_keys(request, b * T, b * T + T, 0)[0] for b in range(first, stop)]
-            )
+            keys = [generate_block_hash_extra_keys(request, b * T, b * T + T, 0)[0] for b in range(first, stop)]
+        else:
+            keys = [None] * (stop - first)  # no extra keys (multimodal requests are refused)
+        extra = to_event_extra_keys(keys)
         lora = request.lora_request
         return BlockStored(
             block_hashes=[maybe_convert_block_hash(h) for h in request.block_hashes[first:stop]],

@@ -120,6 +120,7 @@ class GpukvKVCacheManager:
         self._requests: dict[str, RequestState] = {}
         self._step = StepCalls(
             self._gk, cfg.block_size, self._ids, self._events, self._group.num_cached_block, cfg.needs_zeroing,
+            track_fresh=cfg.partial_reuse,
         )
 
     # -- facts ---------------------------------------------------------------------
@@ -141,7 +142,7 @@ class GpukvKVCacheManager:
     def _free_blocks(self) -> int:
         """vLLM's free-queue length: free plus evictable pages."""
         self._flush()
-        return self._gk.obtainable_pages()
+        return self._step.obtainable()
 
     def _flush(self) -> None:
         if self._step.dirty:
@@ -194,6 +195,14 @@ class GpukvKVCacheManager:
         if hit == 0:
             return self.empty_kv_cache_blocks, 0, 0
         pages, held = match_pages(self._gk, m.block_ids[: _cdiv(hit, T)])
+        if hit % T and self._step.fresh[pages[-1]]:
+            # The block the hit ends in was cached this step: its KV is written
+            # by this step's forward, after the copy that would share it runs.
+            # Reuse its whole blocks only (those are read after they are written).
+            hit = hit // T * T
+            pages, held = pages[: hit // T], held[: hit // T]
+            if hit == 0:
+                return self.empty_kv_cache_blocks, 0, 0
         if self._events is not None and getattr(request, "kv_cache_report_mode", "incremental") == "full":
             self._events.reused(request, hit // T)
         return self._HitBlocks(self._ids.of_pages(pages), hit, held), hit, 0
@@ -239,7 +248,7 @@ class GpukvKVCacheManager:
         state = self._requests.get(request.request_id)
         total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
         # vLLM's free queue as it will be once the queued allocations are made.
-        free = self._gk.obtainable_pages() - self._step.pending_pages
+        free = self._step.obtainable() - self._step.pending_pages
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._admitting_statuses else 0
         if state is None:
             return self._admit(
@@ -306,16 +315,15 @@ class GpukvKVCacheManager:
 
     def _cache(self, state: RequestState, num_tokens: int) -> None:
         """vLLM caches the request's full blocks up to ``num_tokens`` at once
-        (``cache_full_blocks``); gpukv commits them at the next flush. Parity
-        commits whole blocks only, so a freed request's last, partial block
-        dies with it as in vLLM; partial reuse commits every token, and gpukv
-        commits that block when the request is freed."""
+        (``cache_full_blocks``, at allocation: a later request of the same step
+        may hit them, and reads them in the same forward, after they are
+        written); gpukv commits them at the next flush. Whole blocks only, in
+        both modes: a running request's last block is still being written."""
         if not self.enable_caching:
             return
-        num_tokens = min(num_tokens, state.num_blocks * self._T)
-        if not self.partial_reuse:
-            num_tokens = min(num_tokens, len(state.request.block_hashes) * self._T) // self._T * self._T
-        self._step.commit(state, num_tokens)
+        T = self._T
+        num_tokens = min(num_tokens, state.num_blocks * T, len(state.request.block_hashes) * T)
+        self._step.commit(state, num_tokens // T * T)
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks up to ``num_computed_tokens``."""
@@ -330,6 +338,13 @@ class GpukvKVCacheManager:
             return  # never allocated (aborted while waiting)
         self._group.req_to_blocks.pop(request.request_id, None)
         self._group.num_cached_block.pop(request.request_id, None)
+        if self.partial_reuse and self.enable_caching:
+            # Its last, partial block becomes reusable (gpukv commits a pending
+            # partial tail on close), up to the tokens whose KV is computed or
+            # in flight: num_computed_tokens is not yet advanced for a request
+            # preempted in the step that scheduled it.
+            done = min(request.num_computed_tokens, request.num_tokens, state.num_blocks * self._T)
+            self._step.commit(state, done)
         self._step.close(state)
 
     def _blocks_to_allocate(self, request_id: str, num_tokens: int) -> int:
@@ -366,7 +381,7 @@ class GpukvKVCacheManager:
     # -- the step ----------------------------------------------------------------------
     def new_step_starts(self) -> None:
         """Issue what the last step left queued (its frees, its async caching)."""
-        self._flush()
+        self._step.step_starts()
 
     def take_kv_cache_block_copies(self):
         """``(copies, retained blocks)``: the copy-on-write copies of partial
@@ -408,6 +423,7 @@ class GpukvKVCacheManager:
         if self._requests:
             return False
         self._gk.clear_reusable_blocks()
+        self._step.changed()
         if self._events is not None:
             self._events.cleared()
         if self.log_stats:

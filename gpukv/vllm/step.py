@@ -56,7 +56,8 @@ class RequestState:
 
 
 class StepCalls:
-    def __init__(self, gk, block_size: int, ids: BlockIds, events, cached_blocks: dict, record_new_ids: bool):
+    def __init__(self, gk, block_size: int, ids: BlockIds, events, cached_blocks: dict, record_new_ids: bool,
+                 track_fresh: bool):
         self._gk = gk
         self._T = block_size
         self._ids = ids
@@ -69,10 +70,27 @@ class StepCalls:
         self.pending_pages = 0  # pages the queued allocations will take out of the obtainable count
         self.copies: list = []  # vLLM KVCacheBlockCopy, for take_kv_cache_block_copies
         self.new_block_ids: list[int] = []  # for take_new_block_ids (KV zeroing)
+        # Pages of blocks committed since the step started: their KV is written
+        # by this step's forward, after any copy this step decides (partial
+        # reuse must not copy from them). None: not tracked (parity).
+        self.fresh = np.zeros(gk.config.pages_per_life_cycle_list()[0], dtype=bool) if track_fresh else None
+        self._fresh_pages: list[np.ndarray] = []
+        self._obtainable = None
 
     @property
     def dirty(self) -> bool:
         return bool(self.alloc or self.commits or self.closes)
+
+    def obtainable(self) -> int:
+        """gpukv's obtainable pages as of the last issued call (read once per
+        flush: the scheduler asks per request)."""
+        if self._obtainable is None:
+            self._obtainable = self._gk.obtainable_pages()
+        return self._obtainable
+
+    def changed(self) -> None:
+        """A gpukv call outside the queue changed the pool."""
+        self._obtainable = None
 
     # -- queueing -----------------------------------------------------------------
     def allocate(self, state: RequestState, pages: int) -> None:
@@ -96,6 +114,7 @@ class StepCalls:
     # -- issuing -----------------------------------------------------------------
     def flush(self) -> None:
         """Issue everything queued, in the order it was decided."""
+        self._obtainable = None
         if self.alloc:
             self._issue_allocations()
         if self.commits:
@@ -195,5 +214,19 @@ class StepCalls:
             if stop > first:
                 if not s.freed:
                     self._cached_blocks[s.request.request_id] = stop
+                pages = None
+                if self._events is not None or self.fresh is not None:
+                    pages = np.asarray(s.ids[first:stop], dtype=np.int64) - 1
                 if self._events is not None:
-                    self._events.stored(s.request, first, stop, np.asarray(s.ids[first:stop], dtype=np.int64) - 1)
+                    self._events.stored(s.request, first, stop, pages)
+                if self.fresh is not None:
+                    self.fresh[pages] = True
+                    self._fresh_pages.append(pages)
+
+    def step_starts(self) -> None:
+        """Everything committed so far has its KV written before the coming
+        step's copies run."""
+        self.flush()
+        if self._fresh_pages:
+            self.fresh[np.concatenate(self._fresh_pages)] = False
+            self._fresh_pages = []
