@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 from gpukv.sim.cluster import Cluster, ClusterPublishers
-from gpukv.sim.simulate import SimOptions, default_workload, warm_up
+from gpukv.sim.simulate import SimOptions, warm_up
+from gpukv.sim.workload import default_workload
 from tests.dynamo_indexer import DynamoIndexer
 
 

@@ -309,6 +309,7 @@ def cmd_simulate(args) -> int:
 
     from .sim import report
     from .sim import simulate as sim
+    from .sim import workload as workloads
 
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
@@ -345,9 +346,9 @@ def cmd_simulate(args) -> int:
         )
         options.validate()
         if args.trace:
-            workload = sim.trace_workload(args.trace, limit=args.limit, time_scale=args.time_scale)
+            workload = workloads.trace_workload(args.trace, limit=args.limit, time_scale=args.time_scale)
         else:
-            workload = sim.default_workload(args.conversations, seed=args.seed,
+            workload = workloads.default_workload(args.conversations, seed=args.seed,
                                             tokens_per_block=args.tokens_per_block, duration_s=args.duration)
             if args.limit is not None:
                 workload.requests = workload.requests[: args.limit]

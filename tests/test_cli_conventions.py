@@ -21,6 +21,7 @@ import gpukv
 from gpukv import cli
 from gpukv.sim import report
 from gpukv.sim import simulate as sim
+from gpukv.sim import workload as workloads
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--conversations", "4", "--duration", "2", "--backend", "cpu", "--no-progress", "--tokens-per-block", "32"]
@@ -65,7 +66,7 @@ def test_the_gpukv_logger_is_silent_unless_configured():
 
 
 def test_a_rejected_request_is_logged_not_printed(capsys, caplog):
-    w = sim.default_workload(4, seed=2, tokens_per_block=32, duration_s=1.0)
+    w = workloads.default_workload(4, seed=2, tokens_per_block=32, duration_s=1.0)
     s = sim.Simulator(w, sim.SimOptions(backend="cpu", tokens_per_block=32, pages=8, model="attention"))
     with caplog.at_level(logging.WARNING, logger="gpukv"):
         s.run()
@@ -225,7 +226,7 @@ def test_benchmarks_say_once_why_they_were_skipped():
 def both_runs():
     out = []
     for policy in sim.POLICIES:
-        w = sim.default_workload(12, seed=3, tokens_per_block=32, duration_s=10.0)
+        w = workloads.default_workload(12, seed=3, tokens_per_block=32, duration_s=10.0)
         s = sim.Simulator(w, sim.SimOptions(policy=policy, tokens_per_block=32, backend="cpu"))
         s.run()
         out.append(s)
@@ -257,7 +258,7 @@ def test_plot_of_runs_without_requests(tmp_path):
     pytest.importorskip("matplotlib")
     runs = []
     for policy in sim.POLICIES:
-        s = sim.Simulator(sim.Workload([], "nothing"), sim.SimOptions(policy=policy, pages=16, backend="cpu"))
+        s = sim.Simulator(workloads.Workload([], "nothing"), sim.SimOptions(policy=policy, pages=16, backend="cpu"))
         s.run()
         runs.append(s)
     assert report.plot_series(runs)["saved"]["total"] == 0

@@ -367,14 +367,14 @@ def test_a_hostile_trace_line_is_named_with_exit_status_2(capsys, tmp_path, line
 
 
 def test_the_workload_functions_check_their_numbers_too(tmp_path):
-    from gpukv.sim import simulate as sim
+    from gpukv.sim import workload as workloads
 
     with pytest.raises(ValueError, match="duration_s must be a finite number >= 0"):
-        sim.default_workload(2, duration_s=float("nan"))
+        workloads.default_workload(2, duration_s=float("nan"))
     with pytest.raises(ValueError, match="seed must be an int >= 0"):
-        sim.default_workload(2, seed=-1)
+        workloads.default_workload(2, seed=-1)
     with pytest.raises(ValueError, match="time_scale must be a positive finite number"):
-        sim.trace_workload(trace_file(tmp_path, [GOOD]), time_scale=float("nan"))
+        workloads.trace_workload(trace_file(tmp_path, [GOOD]), time_scale=float("nan"))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -65,3 +65,52 @@ def test_the_rule_sees_a_violation():
     assert "sim" not in ALLOWED["facade"] and "facade" not in ALLOWED["kernels"]
     found = gpukv_imports(PACKAGE / "kernels" / "tree.py")
     assert any(m.startswith("gpukv.core") for m in found)  # relative imports are resolved
+
+
+def module_name(path: Path) -> str:
+    return ".".join(("gpukv",) + path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (a package import is its ``__init__``)."""
+    modules = {module_name(p): p for p in FILES}
+    return {m: {x for x in gpukv_imports(p) if x in modules and x != m} for m, p in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_itself_through_others():
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_rule_sees_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

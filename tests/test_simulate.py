@@ -13,15 +13,9 @@ import numpy as np
 import pytest
 
 from gpukv import cli, introspect
-from gpukv.sim.simulate import (
-    SimOptions,
-    Simulator,
-    auto_pages,
-    default_workload,
-    trace_workload,
-)
+from gpukv.sim.simulate import SimOptions, Simulator, auto_pages
 from gpukv.sim.report import format_summary, summarize
-from gpukv.sim.workload import find_mooncake_trace
+from gpukv.sim.workload import default_workload, find_mooncake_trace, trace_workload
 
 
 def run(workload, **options):

@@ -10,7 +10,8 @@ import pytest
 
 from gpukv import cli
 from gpukv.sim.cluster import Cluster, offset_endpoint, run_cluster
-from gpukv.sim.simulate import SimOptions, default_workload
+from gpukv.sim.simulate import SimOptions
+from gpukv.sim.workload import default_workload
 from tests.dynamo_indexer import DynamoIndexer, free_port, needs_dynamo
 
 T = 16

@@ -17,7 +17,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from .simulate import TIMELINE_FIELDS, SimOptions, Simulator, Stats, Workload, auto_pages
+from .report import TIMELINE_FIELDS
+from .simulate import SimOptions, Simulator, Stats, auto_pages
+from .workload import Workload
 
 # Stats fields that are not plain per-worker counts to add up.
 _CLUSTER_LEVEL = {"steps", "peak_running", "peak_waiting", "timeline"}

@@ -1,17 +1,20 @@
 """What ``gpukv simulate`` shows of a run: the progress bar, the summary (a
 dict, and the side-by-side table of one or more runs) and the ``--plot`` figure.
+
+It reads a ``simulate.Simulator`` (named ``sim`` below) and does not import
+that module: the simulator imports this one.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .simulate import Simulator
+# The running totals a step records in ``Stats.timeline`` after its simulated
+# time, which the figure draws.
+TIMELINE_FIELDS = ("admitted_input_tokens", "reused_tokens", "computed_tokens", "ssm_hits")
 
 
 class ProgressBar:
@@ -23,7 +26,7 @@ class ProgressBar:
         self.out = out or sys.stderr
         self.last = 0.0
 
-    def __call__(self, sim: Simulator):
+    def __call__(self, sim):
         now = time.perf_counter()
         if now - self.last < 0.1:
             return
@@ -45,7 +48,7 @@ def _pct(xs, q) -> float:
     return float(np.percentile(np.asarray(xs), q)) if len(xs) else 0.0
 
 
-def summarize(sim: Simulator, wall_s: float) -> dict:
+def summarize(sim, wall_s: float) -> dict:
     s, o = sim.stats, sim.options
     lat = np.asarray(s.match_latency_s)
     lifecycles = ", ".join(type(x).__name__ + (f"(window={x.window})" if getattr(x, "window", None) else "")
@@ -188,7 +191,6 @@ def plot_series(sims: list) -> dict:
     and a full-blocks run, ``saved``: the recomputation per-page coverage
     saves, full-blocks' tokens computed minus per-page's at each time either
     run recorded (the decode tokens are the same in both)."""
-    from .simulate import TIMELINE_FIELDS  # imported here: simulate imports this module
 
     runs = []
     for sim in sims:

@@ -62,15 +62,14 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 import gpukv
 
-from .report import ProgressBar, summarize
-from .workload import TraceError, load_mooncake_trace, synthetic_conversations
+from .report import TIMELINE_FIELDS, ProgressBar, summarize
+from .workload import Workload, default_workload
 
 POLICIES = ("per-page", "full-blocks")
 ORDERS = ("longest-prefix", "arrival")
@@ -141,128 +140,6 @@ class SimOptions:
         )
 
 
-# -- workloads -------------------------------------------------------------------------------
-@dataclass(eq=False)
-class Request:
-    """One request of a workload. Its tokens (prompt, then output) are made on
-    arrival and dropped when it finishes, so a long trace never holds all of
-    them at once."""
-
-    rid: int
-    arrival_ms: float
-    prompt_len: int
-    output_len: int
-    make_tokens: Callable[[], np.ndarray]
-    after: int | None = None  # the rid of the conversation's previous turn, which must finish first
-    kind: str = ""
-    # -- simulation state --
-    tokens: np.ndarray | None = None
-    seq: object = None  # TokenSequence while waiting
-    kv: object = None  # KVCache while admitted
-    done: int = 0  # tokens computed (KV written) so far
-    prefill_end: int = 0  # computed as a prefill up to here: the prompt, or more after a preemption
-    checkpoint: int = 0  # a prefill chunk ends here (see Simulator._step_tokens)
-    reused: int | None = None  # reuse at first admission
-    finished_ms: float | None = None
-
-    @property
-    def compute_len(self) -> int:
-        """Tokens whose KV is computed: the prompt and all output tokens but the last."""
-        return self.prompt_len + max(self.output_len - 1, 0)
-
-    def lookup_len(self) -> int:
-        """Tokens looked up for reuse: all of the prefill but its last token,
-        which is always computed (for the logits of the next token)."""
-        return self.prefill_end - 1
-
-    def __post_init__(self):
-        self.prefill_end = self.prompt_len
-
-
-@dataclass
-class Workload:
-    requests: list
-    description: str
-
-
-def default_workload(num_conversations: int = 200, seed: int = 0, tokens_per_block: int = 64,
-                     duration_s: float = 60.0) -> Workload:
-    """Multi-turn chats (``workload.synthetic_conversations``): shared system
-    prompts, follow-ups, regenerations and edits that rewind a conversation
-    into the middle of an earlier message.
-
-    Each request's output is the model's reply: when the conversation's next
-    request is a follow-up, the reply is the start of that follow-up's new
-    text (the rest is the user's next message, split at a length drawn from
-    the generator's user-message range), so committing the decoded tokens is
-    what lets the follow-up reuse them. A reply nobody continues (before a
-    regeneration or an edit, or at the end) is random text of the generator's
-    reply length range.
-    """
-    user_tokens, reply_tokens = (10, 400), (20, 600)
-    chats = synthetic_conversations(num_conversations, seed=seed, tokens_per_block=tokens_per_block,
-                                    user_tokens=user_tokens, reply_tokens=reply_tokens, duration_s=duration_s)
-    rng = np.random.default_rng(seed + 1)
-    by_conv: dict[int, list] = {}
-    for r in chats:
-        by_conv.setdefault(r.conversation, []).append(r)
-    nxt = {}
-    for turns in by_conv.values():
-        turns.sort(key=lambda r: r.turn)
-        for a, b in itertools.pairwise(turns):
-            nxt[id(a)] = b
-    index = {id(r): i for i, r in enumerate(chats)}
-    out = []
-    for i, r in enumerate(chats):
-        n = nxt.get(id(r))
-        if n is not None and n.kind == "follow_up":
-            new = n.tokens[r.tokens.size:]
-            user = int(rng.integers(user_tokens[0], user_tokens[1] + 1))
-            reply = new[: max(1, new.size - user)]
-        else:
-            reply = rng.integers(0, 32000, size=int(rng.integers(reply_tokens[0], reply_tokens[1] + 1)),
-                                 dtype=np.int32)
-        tokens = np.concatenate([r.tokens, reply])
-        prev = None
-        if r.turn > 0:
-            prev = index[id(by_conv[r.conversation][r.turn - 1])]
-        out.append(Request(i, r.timestamp * 1e3, r.tokens.size, reply.size, lambda t=tokens: t, prev, r.kind))
-    desc = (f"built-in chats: {num_conversations} conversations, {len(out)} requests "
-            f"(seed {seed}, arrivals over {duration_s:g} s)")
-    return Workload(out, desc)
-
-
-MAX_REQUEST_TOKENS = 1 << 20  # input + output of one simulated request
-
-
-def trace_workload(path, limit: int | None = None, time_scale: float = 1.0,
-                   max_request_tokens: int = MAX_REQUEST_TOKENS) -> Workload:
-    """The requests of a Mooncake-format trace; each 512-token hash id expands
-    to deterministic tokens (``TraceRequest.tokens``). The output tokens are
-    deterministic random text per request (a trace does not say what the model
-    answered). ``time_scale`` divides the arrival times (2 = twice the load).
-
-    A request longer than ``max_request_tokens`` (input + output) is a
-    ``TraceError`` naming its line: the pool is sized from the longest
-    request, and one decode step per output token must end."""
-    if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
-        raise ValueError(f"time_scale must be a positive finite number, got {time_scale!r}")
-    trace = load_mooncake_trace(path, limit=limit)
-    for t in trace:
-        if t.input_length + t.output_length > max_request_tokens:
-            raise TraceError(
-                f"{path}:{t.line}: a request of {t.input_length} + {t.output_length} tokens (input + output) is "
-                f"longer than the simulator takes ({max_request_tokens})"
-            )
-    out = []
-    for i, t in enumerate(trace):
-        def make(t=t, i=i):
-            out_tokens = np.random.default_rng(i).integers(0, 2**31 - 1, size=t.output_length, dtype=np.int32)
-            return np.concatenate([t.tokens(), out_tokens])
-        out.append(Request(i, float(t.timestamp) / time_scale, t.input_length, t.output_length, make))
-    return Workload(out, f"trace {path}: {len(out)} requests")
-
-
 def auto_pages(requests: list, options: SimOptions) -> int:
     """A GPU pool under real pressure: room for one and a half full running
     batches of average requests, so the running set fits but the reuse tree
@@ -274,8 +151,6 @@ def auto_pages(requests: list, options: SimOptions) -> int:
 
 
 # -- the scheduler ---------------------------------------------------------------------------
-# The running totals a step records in ``Stats.timeline`` after its simulated time.
-TIMELINE_FIELDS = ("admitted_input_tokens", "reused_tokens", "computed_tokens", "ssm_hits")
 
 
 @dataclass
