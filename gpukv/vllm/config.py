@@ -118,6 +118,15 @@ def validate(
         raise _unsupported("context parallelism", f"dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size}")
     if metrics_collector is not None:
         raise _unsupported("KV cache residency metrics", "observability_config.kv_cache_metrics must be off")
+    retention = kv_cache_config.prefix_cache_retention_interval
+    if retention not in (None, 0):
+        # vLLM's rule: retention sparsifies sliding-window and Mamba checkpoints
+        # only; on full attention a setting is a mistake to report.
+        raise ValueError(
+            f"prefix_cache_retention_interval ({retention}) is set but this model has no sliding-window or Mamba "
+            "KV cache group, so retention has no effect. Set it to 0 (it only applies to sliding-window and Mamba "
+            "attention)."
+        )
     if kv_cache_config.hisparse_host_num_blocks is not None:
         raise _unsupported("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks is set")
     for name, value in (("scheduler_block_size", scheduler_block_size), ("hash_block_size", hash_block_size)):

@@ -31,7 +31,7 @@ import numpy as np
 from .blocks import BlockIds, kv_cache_blocks_types
 from .config import gpukv_config, validate
 from .events import EventLog
-from .match_pages import match_pages
+from .index_reads import match_pages
 from .scope import scope_of
 from .step import RequestState, StepCalls
 from .views import BlockPoolView, CoordinatorView, SingleTypeView
@@ -180,7 +180,8 @@ class GpukvKVCacheManager:
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         self._check_request(request)
-        self._flush()  # the tree as vLLM's cache is now: every cached block in, every eviction done
+        if self._step.dirty and self._step.affects(request):
+            self._flush()  # the tree as vLLM's cache is now, where it matters to this request
         T = self._T
         limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
         if not self.partial_reuse:
@@ -287,9 +288,14 @@ class GpukvKVCacheManager:
                 raise ValueError(f"request {request.request_id!r}: a hit of {hit} tokens is not whole blocks")
         shared = hit // T  # full hit blocks: the tree's pages, shared
         # Hit blocks no cache holds are eviction candidates: holding them takes
-        # them out of the obtainable count (vLLM: "touching" a free block). A
-        # partial hit block's source counts too: it is held until its copy is made.
-        evictable = int(np.count_nonzero(~hit_blocks.held[: _cdiv(hit, T)])) if hit else 0
+        # them out of the obtainable count (vLLM: "touching" a free block),
+        # unless a queued admission holds them already. A partial hit block's
+        # source counts too: it is held until its copy is made.
+        held_hits = None
+        if hit:
+            pages = np.asarray(hit_blocks.get_block_ids()[0][: _cdiv(hit, T)], dtype=np.int64) - 1
+            held_hits = pages[~hit_blocks.held[: len(pages)] & ~self._step.promised[pages]]
+        evictable = 0 if held_hits is None else len(held_hits)
         if full_must_fit:
             full = _cdiv(min(request.num_tokens, self.max_model_len), T)
             if max(full - shared, 0) + evictable + watermark > free:
@@ -309,7 +315,7 @@ class GpukvKVCacheManager:
         self._group.req_to_blocks[request.request_id] = state.blocks
         if shared and self.enable_caching:
             self._group.num_cached_block[request.request_id] = shared
-        self._step.allocate(state, new + evictable)
+        self._step.allocate(state, new, held_hits)
         self._cache(state, min(total_computed + num_new_tokens, request.num_tokens))
         return self._PendingBlocks(self._flush, state, shared, shared + new)
 

@@ -1,10 +1,10 @@
 """The gpukv calls of a scheduler step, deferred and issued as batched launches.
 
 vLLM's scheduler calls its manager once per request (``allocate_slots``,
-``free``), hundreds of times a step, and wants an answer at once: fits or not.
-The answer needs only counts (obtainable pages, pages promised so far), so the
-adapter decides in Python and queues the gpukv work, then issues it as one
-launch per kind of call when something needs the result:
+``get_computed_blocks``, ``free``), hundreds of times a step, and wants an
+answer at once. The answers need only counts and lookups, so the adapter
+decides in Python and queues the gpukv work, then issues it as one launch per
+kind of call when something needs the result:
 
 - **allocations** (a new request's cache: create with its hit, resume, resize;
   a running request's growth: resize), in the order they were decided;
@@ -19,9 +19,16 @@ Commits commute with both: a commit turns a request's own held pages into tree
 pages and never changes what is obtainable (under ``stable_pages`` a
 duplicate block keeps its own page).
 
-What needs a flush: a prefix lookup (the tree must hold every block vLLM has
-cached so far, and evictions must have happened where vLLM's would), every
-read of block ids, counts, events or copies, and the step's start.
+A prefix lookup needs the tree as vLLM's cache is at that moment, but only
+where the queued calls could change its answer (``affects``): a queued commit
+of a block the request would match, a queued allocation that would have to
+evict (it needs more pages than are free), a queued close (it changes which
+hit pages are held). Otherwise the lookup runs on the tree as it is, and a
+step's admissions go out together. The pages queued admissions will hold are
+``promised``: a later admission sharing them does not count them again.
+
+Everything else that reads state (block ids, counts, events, copies, the
+step's start) flushes first.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from .blocks import BlockIds
+from .index_reads import free_pages
 
 
 class RequestState:
@@ -68,12 +76,16 @@ class StepCalls:
         self.commits: list[RequestState] = []
         self.closes: list = []
         self.pending_pages = 0  # pages the queued allocations will take out of the obtainable count
+        self.pending_new = 0  # ... of which new pages (the rest: eviction candidates they will hold)
+        num_pages = gk.config.pages_per_life_cycle_list()[0]
+        self.promised = np.zeros(num_pages, dtype=bool)  # hit pages queued admissions will hold
+        self._promised_pages: list[np.ndarray] = []
         self.copies: list = []  # vLLM KVCacheBlockCopy, for take_kv_cache_block_copies
         self.new_block_ids: list[int] = []  # for take_new_block_ids (KV zeroing)
         # Pages of blocks committed since the step started: their KV is written
         # by this step's forward, after any copy this step decides (partial
         # reuse must not copy from them). None: not tracked (parity).
-        self.fresh = np.zeros(gk.config.pages_per_life_cycle_list()[0], dtype=bool) if track_fresh else None
+        self.fresh = np.zeros(num_pages, dtype=bool) if track_fresh else None
         self._fresh_pages: list[np.ndarray] = []
         self._obtainable = None
 
@@ -92,9 +104,33 @@ class StepCalls:
         """A gpukv call outside the queue changed the pool."""
         self._obtainable = None
 
+    def affects(self, request) -> bool:
+        """Could the queued calls change what a lookup of ``request`` finds?"""
+        if self.closes:
+            return True
+        if self.pending_new and self.pending_new > free_pages(self._gk):
+            return True  # a queued allocation evicts: maybe a block this request would hit
+        hashes = request.block_hashes
+        n = len(hashes)
+        T = self._T
+        for s in self.commits:
+            # Hashes chain: matching any queued block of s means matching its first one.
+            f = s.committed // T
+            if f < n and f < s.target // T and hashes[f] == s.request.block_hashes[f]:
+                return True
+        return False
+
     # -- queueing -----------------------------------------------------------------
-    def allocate(self, state: RequestState, pages: int) -> None:
-        self.pending_pages += pages
+    def allocate(self, state: RequestState, new_pages: int, held_hits: np.ndarray | None = None) -> None:
+        """Queue ``state``'s allocation of ``new_pages`` more pages; an
+        admission also holds ``held_hits``, its hit pages that are eviction
+        candidates now (not promised to another queued admission)."""
+        self.pending_new += new_pages
+        self.pending_pages += new_pages
+        if held_hits is not None and len(held_hits):
+            self.pending_pages += len(held_hits)
+            self.promised[held_hits] = True
+            self._promised_pages.append(held_hits)
         if not state.in_alloc:
             state.in_alloc = True
             self.alloc.append(state)
@@ -125,7 +161,10 @@ class StepCalls:
 
     def _issue_allocations(self) -> None:
         alloc, self.alloc = self.alloc, []
-        self.pending_pages = 0
+        self.pending_pages = self.pending_new = 0
+        if self._promised_pages:
+            self.promised[np.concatenate(self._promised_pages)] = False
+            self._promised_pages = []
         # Runs of admissions and of growths, each in decision order: an
         # admission holds its hit before the resize that follows it.
         start = 0
