@@ -90,7 +90,7 @@ class Run:
             self.add(p, max_tokens=10_000)
         while any(r.is_prefill_chunk or r.num_computed_tokens == 0 for r in self.sched.requests.values()):
             step(self.sched)
-        self.arrivals = prompts(ROUNDS * STEPS * churn + 64, start=BATCH)
+        self.arrivals = prompts((ROUNDS + 1) * STEPS * churn, start=BATCH)  # the warm-up round too
         self.scheduled: list = []
 
     def add(self, prompt, max_tokens):

@@ -76,13 +76,25 @@ def build_trace(seed: int = 0):
     return sorted(trace, key=lambda r: r[0]), aborts
 
 
-def drive(manager: str, num_blocks: int = NUM_BLOCKS, **kw):
-    """Run the trace through vLLM's scheduler; what it scheduled and saw."""
+def drive(manager: str, num_blocks: int = NUM_BLOCKS, async_scheduling: bool = False, **kw):
+    """Run the trace through vLLM's scheduler; what it scheduled and saw.
+
+    With async scheduling, step k's output reaches the scheduler after step
+    k+1 is scheduled, as in vLLM's engine core (its worker then reads tokens
+    the scheduler does not know yet, so the KV check is off)."""
     trace, aborts = build_trace()
     sched = make_scheduler(manager, num_blocks=num_blocks, block_size=T, max_num_seqs=8,
-                           max_num_batched_tokens=192, **kw)
-    worker = FakeWorker(num_blocks, T)
+                           max_num_batched_tokens=192, async_scheduling=async_scheduling, **kw)
+    worker = FakeWorker(num_blocks, T, check_kv=not async_scheduling)
     steps, hits, preempted, stats, copies = [], {}, 0, [], []
+    in_flight = None
+
+    def update(out, result):
+        for eco in sched.update_from_output(out, result).values():
+            if eco.scheduler_stats is not None:
+                s = eco.scheduler_stats.prefix_cache_stats
+                stats.append((s.requests, s.queries, s.hits, s.preempted_requests, s.preempted_queries, s.preempted_hits))
+
     i = 0
     for step in range(2000):
         while i < len(trace) and trace[i][0] <= step:
@@ -91,7 +103,7 @@ def drive(manager: str, num_blocks: int = NUM_BLOCKS, **kw):
             i += 1
         for rid in aborts.get(step, ()):
             sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
-        if i == len(trace) and not sched.has_requests():
+        if i == len(trace) and not sched.has_requests() and in_flight is None:
             break
         out = sched.schedule()
         steps.append(list(out.num_scheduled_tokens.items()))
@@ -101,11 +113,14 @@ def drive(manager: str, num_blocks: int = NUM_BLOCKS, **kw):
         for copy in out.kv_cache_block_copies or ():
             copies.append((copy.src_block_id, copy.dst_block_id))
         result = worker.step(sched, out)
-        engine_out = sched.update_from_output(out, result)
-        for eco in engine_out.values():
-            if eco.scheduler_stats is not None:
-                s = eco.scheduler_stats.prefix_cache_stats
-                stats.append((s.requests, s.queries, s.hits, s.preempted_requests, s.preempted_queries, s.preempted_hits))
+        if async_scheduling:
+            if in_flight is not None:
+                update(*in_flight)
+            in_flight = (out, result) if out.total_num_scheduled_tokens else None
+            if in_flight is None and out.total_num_scheduled_tokens == 0:
+                update(out, result)
+        else:
+            update(out, result)
         # vLLM's worker appends to its block tables; the manager must agree.
         for rid, table in worker.tables.items():
             if rid in sched.requests and sched.requests[rid].status == RequestStatus.RUNNING:
@@ -144,6 +159,12 @@ def test_partial_reuse_hits_at_least_as_much_and_copies_are_valid(stock):
         assert 1 <= src < NUM_BLOCKS and 1 <= dst < NUM_BLOCKS and src != dst
     assert gk.num_copies == len(gk.copies)  # the worker ran every copy (and read correct KV after them)
     assert gk.sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+
+
+def test_parity_under_async_scheduling():
+    a, b = drive("stock", async_scheduling=True), drive("parity", async_scheduling=True)
+    assert a.preempted > 0
+    assert a.steps == b.steps and a.hits == b.hits and a.stats == b.stats and a.preempted == b.preempted
 
 
 def test_parity_without_prefix_caching_and_with_a_large_pool():
@@ -265,14 +286,24 @@ def test_events_are_vllms_with_vllms_block_hashes():
 
 
 def test_scopes_keep_salts_and_adapters_apart():
-    _, m = managers()
+    from vllm.lora.request import LoRARequest
+
+    ref, m = managers()
     prompt = list(range(3, 3 + 4 * T))
-    r = make_request("a", prompt, 4, cache_salt="tenant-1")
-    admit(m, r)
-    m.free(r)
-    assert m.get_computed_blocks(make_request("b", prompt + [9], 4))[1] == 0
-    assert m.get_computed_blocks(make_request("c", prompt + [9], 4, cache_salt="tenant-2"))[1] == 0
-    assert m.get_computed_blocks(make_request("d", prompt + [9], 4, cache_salt="tenant-1"))[1] == 4 * T
+    lora = LoRARequest("adapter", 1, "/path/a")
+    for mgr in (ref, m):
+        for rid, kw in (("a", dict(cache_salt="tenant-1")), ("l", dict(lora_request=lora))):
+            r = make_request(rid, prompt, 4, **kw)
+            admit(mgr, r)
+            mgr.free(r)
+    probes = [
+        (dict(), 0), (dict(cache_salt="tenant-2"), 0), (dict(cache_salt="tenant-1"), 4 * T),
+        (dict(lora_request=lora), 4 * T), (dict(lora_request=LoRARequest("adapter", 1, "/path/b")), 0),
+        (dict(lora_request=LoRARequest("other", 2, "/path/a")), 0), (dict(lora_request=lora, cache_salt="tenant-1"), 0),
+    ]
+    for kw, hit in probes:  # the same partition as vLLM's block hashes
+        assert m.get_computed_blocks(make_request("p", prompt + [9], 4, **kw))[1] == hit, kw
+        assert ref.get_computed_blocks(make_request("p", prompt + [9], 4, **kw))[1] == hit, kw
 
 
 def test_partial_hit_arrives_as_a_copy_into_a_private_block():

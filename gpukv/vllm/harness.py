@@ -145,6 +145,9 @@ class FakeWorker:
     token each slot holds."""
 
     def __init__(self, num_blocks: int, block_size: int, check_kv: bool = True):
+        """``check_kv=False``: keep the block tables only (async scheduling,
+        where a step's last input token is sampled by the step before it and
+        reaches the scheduler only after this step is scheduled)."""
         self.T = block_size
         self.check_kv = check_kv
         self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)  # token id per slot
@@ -178,12 +181,12 @@ class FakeWorker:
         req_ids, sampled = [], []
         for rid, n in out.num_scheduled_tokens.items():
             request = scheduler.requests[rid]
-            tokens = np.asarray(request.all_token_ids, dtype=np.int64)
             start, end = starts[rid], starts[rid] + n
-            table = np.asarray(self.tables[rid], dtype=np.int64)
-            pos = np.arange(start, end)
-            self.kv[table[pos // self.T], pos % self.T] = tokens[start:end]  # this step's KV
             if self.check_kv:
+                tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+                table = np.asarray(self.tables[rid], dtype=np.int64)
+                pos = np.arange(start, end)
+                self.kv[table[pos // self.T], pos % self.T] = tokens[start:end]  # this step's KV
                 pos = np.arange(end)
                 seen = self.kv[table[pos // self.T], pos % self.T]
                 if not np.array_equal(seen, tokens[:end]):
@@ -193,8 +196,9 @@ class FakeWorker:
                         f"{table[bad // self.T]}, expected {tokens[bad]}"
                     )
             req_ids.append(rid)
-            # A request samples once every known token is computed.
-            sampled.append([next_token(rid, request.num_tokens)] if end >= request.num_tokens else [])
+            # A request samples once its prefill is done (vLLM's worker drops
+            # the token of a partial prefill chunk).
+            sampled.append([] if request.is_prefill_chunk else [next_token(rid, request.num_computed_tokens)])
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
