@@ -34,7 +34,7 @@ def gpukv_imports(path: Path) -> set[str]:
 
 def layer_of(module: str) -> str:
     parts = module.split(".")
-    if len(parts) > 1 and parts[1] in ("core", "kernels", "sim"):
+    if len(parts) > 1 and parts[1] in ("core", "kernels", "sim", "vllm"):
         return parts[1]
     if module in ("gpukv.cli",):
         return "cli"
@@ -46,6 +46,7 @@ ALLOWED = {
     "kernels": {"core", "kernels"},
     "facade": {"core", "kernels", "facade"},
     "sim": {"facade", "sim"},  # the public package and its own modules
+    "vllm": {"core", "facade", "vllm"},  # the adapter: the public package, the table layouts it reads
     "cli": {"core", "facade", "sim", "cli"},
 }
 
