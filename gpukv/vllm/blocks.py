@@ -86,9 +86,10 @@ def kv_cache_blocks_types():
         """``get_computed_blocks``' answer: the hit blocks, plus what the
         admission needs to decide without matching again."""
 
-        def __init__(self, blocks: list, num_tokens: int, held: np.ndarray):
+        def __init__(self, blocks: list, num_tokens: int, held: np.ndarray, tokens: np.ndarray):
             super().__init__((blocks,))
             self.num_tokens = num_tokens  # the hit, in tokens
             self.held = held  # per hit block: a cache holds its page (not an eviction candidate)
+            self.tokens = tokens  # the hit's tokens (int32), to create the cache from
 
     return PendingBlocks, HitBlocks

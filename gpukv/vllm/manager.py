@@ -37,6 +37,9 @@ from .step import RequestState, StepCalls
 from .views import BlockPoolView, CoordinatorView, SingleTypeView
 
 
+_NO_TOKENS = np.zeros(0, dtype=np.int32)  # an admission without a hit matches nothing
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -189,7 +192,10 @@ class GpukvKVCacheManager:
             limit = min(limit, len(request.block_hashes) * T) // T * T
         if limit <= 0:
             return self.empty_kv_cache_blocks, 0, 0
-        m = self._gk.match_batch([request._all_token_ids[:limit]], scopes=scope_of(request)).to_host()
+        # One int32 array: gpukv converts a list token by token, and the
+        # admission creates the cache from a slice of the same array.
+        tokens = np.fromiter(request.all_token_ids[:limit], dtype=np.int32, count=limit)
+        m = self._gk.match_batch([tokens], scopes=scope_of(request)).to_host()
         hit = int(m.num_tokens[0])
         if not self.partial_reuse:
             hit = hit // T * T
@@ -206,7 +212,7 @@ class GpukvKVCacheManager:
                 return self.empty_kv_cache_blocks, 0, 0
         if self._events is not None and getattr(request, "kv_cache_report_mode", "incremental") == "full":
             self._events.reused(request, hit // T)
-        return self._HitBlocks(self._ids.of_pages(pages), hit, held), hit, 0
+        return self._HitBlocks(self._ids.of_pages(pages), hit, held, tokens[:hit]), hit, 0
 
     def estimate_cached_tokens(self, request) -> int:
         """Tokens of the request's longest cached prefix: its hit and the full
@@ -243,32 +249,36 @@ class GpukvKVCacheManager:
             raise _unsupported("encoder-decoder models", f"{num_encoder_tokens} encoder tokens for cross-attention")
         if num_lookahead_tokens or request.spec_token_ids:
             raise _unsupported("speculative decoding", f"request {request.request_id!r} has draft or lookahead tokens")
-        if self._step.closes:
+        step = self._step
+        if step.closes:
             self._flush()  # freed pages count before this decision, as in vLLM
         T = self._T
         state = self._requests.get(request.request_id)
         total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
-        # vLLM's free queue as it will be once the queued allocations are made.
-        free = self._step.obtainable() - self._step.pending_pages
-        watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._admitting_statuses else 0
+        watermark = 0
+        if self.watermark_blocks and has_scheduled_reqs and request.status in self._admitting_statuses:
+            watermark = self.watermark_blocks
         if state is None:
             return self._admit(
                 request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, total_computed,
-                free, reserved_blocks, watermark, full_sequence_must_fit,
+                step.obtainable() - step.pending_pages, reserved_blocks, watermark, full_sequence_must_fit,
             )
         if num_new_computed_tokens:
             raise ValueError(f"request {request.request_id!r} holds blocks already: it has no new prefix hit to adopt")
+        # The running request's path, once per request per step: counts only.
         have = state.num_blocks
-        if full_sequence_must_fit:
-            full = _cdiv(min(request.num_tokens, self.max_model_len), T)
-            if max(full - have, 0) + watermark > free:
-                return None
         new = max(_cdiv(min(total_computed + num_new_tokens, self.max_model_len), T) - have, 0)
-        if new + watermark > free - reserved_blocks:
-            return None
+        if new or watermark or reserved_blocks or full_sequence_must_fit:
+            free = step.obtainable() - step.pending_pages  # vLLM's free queue once the queued calls are made
+            if full_sequence_must_fit:
+                full = _cdiv(min(request.num_tokens, self.max_model_len), T)
+                if max(full - have, 0) + watermark > free:
+                    return None
+            if new + watermark > free - reserved_blocks:
+                return None
         if new:
             state.num_blocks = have + new
-            self._step.allocate(state, new)
+            step.allocate(state, new)
         self._cache(state, min(total_computed + num_new_tokens, request.num_tokens))
         if not new:
             return self.empty_kv_cache_blocks
@@ -307,7 +317,7 @@ class GpukvKVCacheManager:
         hit_objs = hit_blocks.blocks[0][:shared] if hit else []
         state = RequestState(
             request, scope_of(request), hit,
-            admit_tokens=request._all_token_ids[:hit] if hit else [],
+            admit_tokens=hit_blocks.tokens[:hit] if hit else _NO_TOKENS,
             hit_blocks=list(hit_objs), hit_ids=[b.block_id for b in hit_objs],
         )
         state.num_blocks = shared + new

@@ -33,6 +33,8 @@ step's start) flushes first.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
 from .blocks import BlockIds
@@ -245,7 +247,14 @@ class StepCalls:
             s.in_commit = False
         if not live:
             return
-        self._gk.commit_batch([s.kv for s in live], [s.request._all_token_ids[s.committed:s.target] for s in live])
+        counts = [s.target - s.committed for s in live]
+        flat = np.fromiter(
+            chain.from_iterable(s.request.all_token_ids[s.committed:s.target] for s in live),
+            dtype=np.int32, count=sum(counts),
+        )
+        offsets = np.zeros(len(live) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        self._gk.commit_batch([s.kv for s in live], (flat, offsets))  # one flat array: no per-list conversion
         T = self._T
         for s in live:
             first, stop = s.committed // T, s.target // T
