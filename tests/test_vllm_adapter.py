@@ -227,6 +227,27 @@ def test_refused_allocation_changes_nothing():
     assert m.get_computed_blocks(probe)[1] == ref.get_computed_blocks(probe)[1] == 5 * T
 
 
+def test_admissions_sharing_a_hit_count_it_once():
+    """Two admissions of one step hit the same cached blocks: the first holds
+    them (vLLM counts them as taken off the free queue), the second must not
+    count them again; the adapter decides the second on exact counts."""
+    ref, m = managers(num_blocks=12)  # 11 pages
+    prefix = list(range(3, 3 + 4 * T))
+    for mgr in (ref, m):
+        first = make_request("p", prefix + [1], 4)
+        admit(mgr, first)
+        mgr.free(first)  # 4 cached blocks, eviction candidates; 7 pages free
+    # a: 4 hit blocks (eviction candidates) + 4 new = 8 of 11. b: the same 4
+    # hits (held by a now) + 3 new = 3 of the 3 left. Counting b's hits again
+    # would refuse it.
+    results = []
+    for mgr in (ref, m):
+        a = make_request("a", prefix + list(range(500, 500 + 4 * T - 1)), 4)
+        b = make_request("b", prefix + list(range(900, 900 + 3 * T - 1)), 4)
+        results.append([admit(mgr, r)[1] is not None for r in (a, b)] + [mgr.block_pool.get_num_free_blocks()])
+    assert results[0] == results[1] == [True, True, 0]
+
+
 def test_unsupported_features_are_refused_by_name():
     spec = FullAttentionSpec(block_size=T, num_kv_heads=1, head_size=1, dtype=torch.float32)
     swa = SlidingWindowSpec(block_size=T, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64)

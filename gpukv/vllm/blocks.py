@@ -83,13 +83,31 @@ def kv_cache_blocks_types():
             return (ids,)
 
     class HitBlocks(KVCacheBlocks):
-        """``get_computed_blocks``' answer: the hit blocks, plus what the
-        admission needs to decide without matching again."""
+        """``get_computed_blocks``' answer: the hit, as the tree blocks it
+        matched. The scheduler only hands it back to ``allocate_slots``, so
+        the blocks' pages are read from gpukv only when something reads them
+        (``blocks``, ``get_block_ids()``, ``held``)."""
 
-        def __init__(self, blocks: list, num_tokens: int, held: np.ndarray, tokens: np.ndarray):
-            super().__init__((blocks,))
+        def __init__(self, resolve: Callable, rows: np.ndarray, num_tokens: int, tokens: np.ndarray):
+            # No super().__init__(): ``blocks`` is a property here.
+            self._resolve = resolve  # rows -> (block objects, held flags)
+            self._resolved = None
+            self.rows = rows  # the matched tree blocks, one per hit block (the last may be partial)
             self.num_tokens = num_tokens  # the hit, in tokens
-            self.held = held  # per hit block: a cache holds its page (not an eviction candidate)
             self.tokens = tokens  # the hit's tokens (int32), to create the cache from
+
+        def _pages(self):
+            if self._resolved is None:
+                self._resolved = self._resolve(self.rows)
+            return self._resolved
+
+        @property
+        def blocks(self):
+            return (self._pages()[0],)
+
+        @property
+        def held(self) -> np.ndarray:
+            """Per hit block: a cache holds its page (it is no eviction candidate)."""
+            return self._pages()[1]
 
     return PendingBlocks, HitBlocks

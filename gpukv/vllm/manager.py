@@ -201,18 +201,23 @@ class GpukvKVCacheManager:
             hit = hit // T * T
         if hit == 0:
             return self.empty_kv_cache_blocks, 0, 0
-        pages, held = match_pages(self._gk, m.block_ids[: _cdiv(hit, T)])
-        if hit % T and self._step.fresh[pages[-1]]:
+        rows = np.asarray(m.block_ids[: _cdiv(hit, T)], dtype=np.int64)
+        if hit % T and self._step.fresh[match_pages(self._gk, rows[-1:])[0][0]]:
             # The block the hit ends in was cached this step: its KV is written
             # by this step's forward, after the copy that would share it runs.
             # Reuse its whole blocks only (those are read after they are written).
             hit = hit // T * T
-            pages, held = pages[: hit // T], held[: hit // T]
+            rows = rows[: hit // T]
             if hit == 0:
                 return self.empty_kv_cache_blocks, 0, 0
         if self._events is not None and getattr(request, "kv_cache_report_mode", "incremental") == "full":
             self._events.reused(request, hit // T)
-        return self._HitBlocks(self._ids.of_pages(pages), hit, held, tokens[:hit]), hit, 0
+        return self._HitBlocks(self._hit_pages, rows, hit, tokens[:hit]), hit, 0
+
+    def _hit_pages(self, rows: np.ndarray):
+        """The block objects and held flags of matched tree blocks, as the tree is now."""
+        pages, held = match_pages(self._gk, rows)
+        return self._ids.of_pages(pages), held
 
     def estimate_cached_tokens(self, request) -> int:
         """Tokens of the request's longest cached prefix: its hit and the full
@@ -269,13 +274,22 @@ class GpukvKVCacheManager:
         have = state.num_blocks
         new = max(_cdiv(min(total_computed + num_new_tokens, self.max_model_len), T) - have, 0)
         if new or watermark or reserved_blocks or full_sequence_must_fit:
-            free = step.obtainable() - step.pending_pages  # vLLM's free queue once the queued calls are made
-            if full_sequence_must_fit:
-                full = _cdiv(min(request.num_tokens, self.max_model_len), T)
-                if max(full - have, 0) + watermark > free:
+            full_new = max(_cdiv(min(request.num_tokens, self.max_model_len), T) - have, 0)
+
+            def fits(free: int) -> bool:
+                if full_sequence_must_fit and full_new + watermark > free:
+                    return False
+                return new + watermark <= free - reserved_blocks
+
+            # vLLM's free queue once the queued calls are made (a lower bound
+            # while queued admissions may hold pages already held: then exact
+            # after issuing them).
+            if not fits(step.obtainable() - step.pending_pages):
+                if not step.pending_hits:
                     return None
-            if new + watermark > free - reserved_blocks:
-                return None
+                self._flush()
+                if not fits(step.obtainable()):
+                    return None
         if new:
             state.num_blocks = have + new
             step.allocate(state, new)
@@ -297,35 +311,40 @@ class GpukvKVCacheManager:
             if not self.partial_reuse and hit % T:
                 raise ValueError(f"request {request.request_id!r}: a hit of {hit} tokens is not whole blocks")
         shared = hit // T  # full hit blocks: the tree's pages, shared
-        # Hit blocks no cache holds are eviction candidates: holding them takes
-        # them out of the obtainable count (vLLM: "touching" a free block),
-        # unless a queued admission holds them already. A partial hit block's
-        # source counts too: it is held until its copy is made.
-        held_hits = None
-        if hit:
-            pages = np.asarray(hit_blocks.get_block_ids()[0][: _cdiv(hit, T)], dtype=np.int64) - 1
-            held_hits = pages[~hit_blocks.held[: len(pages)] & ~self._step.promised[pages]]
-        evictable = 0 if held_hits is None else len(held_hits)
-        if full_must_fit:
-            full = _cdiv(min(request.num_tokens, self.max_model_len), T)
-            if max(full - shared, 0) + evictable + watermark > free:
+        held_blocks = _cdiv(hit, T)  # hit blocks whose pages it holds (a partial one until its copy is made)
+        new = max(_cdiv(min(total_computed + num_new_tokens, self.max_model_len), T) - shared, 0)
+        full_new = max(_cdiv(min(request.num_tokens, self.max_model_len), T) - shared, 0)
+
+        def fits(evictable: int, free: int) -> bool:
+            # vLLM's rule: the new blocks, and the hit blocks that are eviction
+            # candidates now (holding them takes them off the free queue).
+            if full_must_fit and full_new + evictable + watermark > free:
+                return False
+            return new + evictable + watermark <= free - reserved
+
+        # First on a bound: every hit page counted as an eviction candidate,
+        # here and in the queued admissions. A fit on the bound is a fit.
+        evictable = held_blocks
+        if not fits(evictable, free):
+            if not held_blocks and not self._step.pending_hits:
+                return None  # the bound was exact
+            # Undecided: issue the queued calls (decided before this one, so
+            # nothing moves that vLLM would not have moved) and count exactly.
+            self._flush()
+            free = self._step.obtainable()
+            evictable = int(np.count_nonzero(~match_pages(self._gk, hit_blocks.rows)[1])) if held_blocks else 0
+            if not fits(evictable, free):
                 return None
-        blocks = _cdiv(min(total_computed + num_new_tokens, self.max_model_len), T)
-        new = max(blocks - shared, 0)  # a partial hit block gets a new page: its private copy
-        if new + evictable + watermark > free - reserved:
-            return None
-        hit_objs = hit_blocks.blocks[0][:shared] if hit else []
         state = RequestState(
             request, scope_of(request), hit,
-            admit_tokens=hit_blocks.tokens[:hit] if hit else _NO_TOKENS,
-            hit_blocks=list(hit_objs), hit_ids=[b.block_id for b in hit_objs],
+            admit_tokens=hit_blocks.tokens[:hit] if hit else _NO_TOKENS, hit_blocks=[], hit_ids=[],
         )
         state.num_blocks = shared + new
         self._requests[request.request_id] = state
         self._group.req_to_blocks[request.request_id] = state.blocks
         if shared and self.enable_caching:
             self._group.num_cached_block[request.request_id] = shared
-        self._step.allocate(state, new, held_hits)
+        self._step.allocate(state, new, evictable)
         self._cache(state, min(total_computed + num_new_tokens, request.num_tokens))
         return self._PendingBlocks(self._flush, state, shared, shared + new)
 

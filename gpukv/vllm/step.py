@@ -24,8 +24,12 @@ where the queued calls could change its answer (``affects``): a queued commit
 of a block the request would match, a queued allocation that would have to
 evict (it needs more pages than are free), a queued close (it changes which
 hit pages are held). Otherwise the lookup runs on the tree as it is, and a
-step's admissions go out together. The pages queued admissions will hold are
-``promised``: a later admission sharing them does not count them again.
+step's admissions go out together.
+
+Queued admissions hold hit pages that are eviction candidates now, which
+vLLM's check counts. The queue counts them as an upper bound (every hit page
+of an admission decided on it), so a later decision that fits on the bound
+fits exactly; one that does not issues the queue and decides on exact counts.
 
 Everything else that reads state (block ids, counts, events, copies, the
 step's start) flushes first.
@@ -77,11 +81,13 @@ class StepCalls:
         self.alloc: list[RequestState] = []
         self.commits: list[RequestState] = []
         self.closes: list = []
-        self.pending_pages = 0  # pages the queued allocations will take out of the obtainable count
-        self.pending_new = 0  # ... of which new pages (the rest: eviction candidates they will hold)
+        # What the queued allocations take out of the obtainable count: new
+        # pages, and hit pages that are eviction candidates now. The latter is
+        # an upper bound (an admission decided on the bound counts all its hit
+        # pages), so decisions made on it are exact when they say "fits".
+        self.pending_new = 0
+        self.pending_hits = 0
         num_pages = gk.config.pages_per_life_cycle_list()[0]
-        self.promised = np.zeros(num_pages, dtype=bool)  # hit pages queued admissions will hold
-        self._promised_pages: list[np.ndarray] = []
         self.copies: list = []  # vLLM KVCacheBlockCopy, for take_kv_cache_block_copies
         self.new_block_ids: list[int] = []  # for take_new_block_ids (KV zeroing)
         # Pages of blocks committed since the step started: their KV is written
@@ -123,16 +129,15 @@ class StepCalls:
         return False
 
     # -- queueing -----------------------------------------------------------------
-    def allocate(self, state: RequestState, new_pages: int, held_hits: np.ndarray | None = None) -> None:
+    @property
+    def pending_pages(self) -> int:
+        return self.pending_new + self.pending_hits
+
+    def allocate(self, state: RequestState, new_pages: int, hit_pages: int = 0) -> None:
         """Queue ``state``'s allocation of ``new_pages`` more pages; an
-        admission also holds ``held_hits``, its hit pages that are eviction
-        candidates now (not promised to another queued admission)."""
+        admission also holds ``hit_pages`` eviction candidates (at most)."""
         self.pending_new += new_pages
-        self.pending_pages += new_pages
-        if held_hits is not None and len(held_hits):
-            self.pending_pages += len(held_hits)
-            self.promised[held_hits] = True
-            self._promised_pages.append(held_hits)
+        self.pending_hits += hit_pages
         if not state.in_alloc:
             state.in_alloc = True
             self.alloc.append(state)
@@ -163,10 +168,7 @@ class StepCalls:
 
     def _issue_allocations(self) -> None:
         alloc, self.alloc = self.alloc, []
-        self.pending_pages = self.pending_new = 0
-        if self._promised_pages:
-            self.promised[np.concatenate(self._promised_pages)] = False
-            self._promised_pages = []
+        self.pending_new = self.pending_hits = 0
         # Runs of admissions and of growths, each in decision order: an
         # admission holds its hit before the resize that follows it.
         start = 0
@@ -187,7 +189,9 @@ class StepCalls:
                 )
             for s in run:
                 s.in_alloc = False
-                self._take_new_blocks(s, admitting)
+                # An admission's blocks are its hit's and new ones; only the new
+                # pages come from the free list or eviction.
+                self._take_new_blocks(s, s.hit // self._T if admitting else len(s.ids))
             start = stop
         self._take_copies()
 
@@ -208,24 +212,21 @@ class StepCalls:
             bad = run[int(np.argmin(ok))]
             raise RuntimeError(f"gpukv refused to resume the new cache of request {bad.request.request_id!r}")
 
-    def _take_new_blocks(self, s: RequestState, admitted: bool) -> None:
-        """Append the pages the resize gave ``s`` to its block list."""
+    def _take_new_blocks(self, s: RequestState, first_new: int) -> None:
+        """Append the blocks the calls gave ``s`` to its block list; those
+        from ``first_new`` on are new pages."""
         have = len(s.ids)
-        all_pages = s.kv.page_indices(0).astype(np.int64)
-        if admitted and have and (all_pages[:have] + 1).tolist() != s.ids:
-            raise RuntimeError(
-                f"request {s.request.request_id!r}: gpukv holds other pages for its hit than get_computed_blocks reported"
-            )
-        pages = all_pages[have:s.num_blocks]
+        pages = s.kv.page_indices(0)[have:s.num_blocks].astype(np.int64)
         if not len(pages):
             return
-        new_ids = (pages + 1).tolist()
+        ids = (pages + 1).tolist()
         s.blocks.extend(self._ids.of_pages(pages))
-        s.ids.extend(new_ids)
+        s.ids.extend(ids)
+        new = pages[first_new - have:]
         if self._events is not None:
-            self._events.reallocated(pages)
+            self._events.reallocated(new)
         if self._record_new_ids:
-            self.new_block_ids.extend(new_ids)
+            self.new_block_ids.extend(ids[first_new - have:])
 
     def _take_copies(self) -> None:
         copies = self._gk.take_page_copies()
