@@ -176,7 +176,8 @@ def test_parity_without_prefix_caching_and_with_a_large_pool():
 # -- the adapter's own rules ---------------------------------------------------------------
 def kv_config(num_blocks: int, groups=None):
     spec = FullAttentionSpec(block_size=T, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups or [KVCacheGroupSpec(["layer"], spec)])
+    groups = groups or [KVCacheGroupSpec(["layer"], spec)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 def managers(num_blocks: int = 20, **kw):
@@ -294,7 +295,11 @@ def test_reset_prefix_cache_refused_while_blocks_are_in_use():
 
 def test_events_are_vllms_with_vllms_block_hashes():
     ref, m = managers(num_blocks=8, enable_kv_cache_events=True)
-    seq = [("a", list(range(3, 3 + 4 * T + 5))), ("b", list(range(3, 3 + 2 * T)) + [7] * (2 * T)), ("c", list(range(900, 900 + 5 * T)))]
+    seq = [
+        ("a", list(range(3, 3 + 4 * T + 5))),
+        ("b", list(range(3, 3 + 2 * T)) + [7] * (2 * T)),
+        ("c", list(range(900, 900 + 5 * T))),
+    ]
     for mgr in (ref, m):
         for rid, prompt in seq:  # the third evicts: BlockRemoved
             r = make_request(rid, prompt, 4)
@@ -344,5 +349,6 @@ def test_partial_hit_arrives_as_a_copy_into_a_private_block():
 
 
 def test_importing_gpukv_vllm_does_not_import_vllm():
-    code = "import sys, gpukv, gpukv.vllm; assert 'vllm' not in sys.modules, sorted(k for k in sys.modules if k.startswith('vllm'))"
+    code = ("import sys, gpukv, gpukv.vllm; "
+            "assert 'vllm' not in sys.modules, sorted(k for k in sys.modules if k.startswith('vllm'))")
     subprocess.run([sys.executable, "-c", code], check=True)

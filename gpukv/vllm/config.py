@@ -62,7 +62,8 @@ class AdapterConfig:
         return self.num_blocks - 1
 
 
-def _unsupported(feature: str, detail: str) -> NotImplementedError:
+def unsupported(feature: str, detail: str) -> NotImplementedError:
+    """The error for a vLLM feature the adapter does not implement, by name."""
     return NotImplementedError(f"gpukv's vLLM KV cache manager does not support {feature} ({detail})")
 
 
@@ -98,26 +99,27 @@ def validate(
         raise TypeError(f"kv_cache_config must be a vllm KVCacheConfig, got {type(kv_cache_config).__name__}")
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise _unsupported("more than one KV cache group", f"this model has {len(groups)} groups; hybrid models need one manager per group")
+        raise unsupported("more than one KV cache group", f"this model has {len(groups)}: a hybrid model")
     group = groups[0]
     spec = group.kv_cache_spec
     manager_cls = KVCacheSpecRegistry.get_manager_class(spec, group.role)
     if manager_cls is not FullAttentionManager:
-        raise _unsupported(
+        raise unsupported(
             "non-full-attention KV cache specs",
-            f"{type(spec).__name__} is managed by vLLM's {getattr(manager_cls, '__name__', manager_cls)}, not FullAttentionManager",
+            f"{type(spec).__name__} is managed by vLLM's {getattr(manager_cls, '__name__', manager_cls)}, "
+            "not FullAttentionManager",
         )
     if group.is_eagle_group or use_eagle:
-        raise _unsupported("speculative decoding", "EAGLE/MTP draft groups drop the last hit block")
+        raise unsupported("speculative decoding", "EAGLE/MTP draft groups drop the last hit block")
     if num_hash_lookahead_tokens or num_prefill_lookahead:
-        raise _unsupported(
+        raise unsupported(
             "speculative decoding",
             f"num_hash_lookahead_tokens={num_hash_lookahead_tokens}, num_prefill_lookahead={num_prefill_lookahead}",
         )
     if dcp_world_size != 1 or pcp_world_size != 1:
-        raise _unsupported("context parallelism", f"dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size}")
+        raise unsupported("context parallelism", f"dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size}")
     if metrics_collector is not None:
-        raise _unsupported("KV cache residency metrics", "observability_config.kv_cache_metrics must be off")
+        raise unsupported("KV cache residency metrics", "observability_config.kv_cache_metrics must be off")
     retention = kv_cache_config.prefix_cache_retention_interval
     if retention not in (None, 0):
         # vLLM's rule: retention sparsifies sliding-window and Mamba checkpoints
@@ -128,10 +130,10 @@ def validate(
             "attention)."
         )
     if kv_cache_config.hisparse_host_num_blocks is not None:
-        raise _unsupported("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks is set")
+        raise unsupported("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks is set")
     for name, value in (("scheduler_block_size", scheduler_block_size), ("hash_block_size", hash_block_size)):
         if value != spec.block_size:
-            raise _unsupported(
+            raise unsupported(
                 "block sizes that differ",
                 f"{name}={value} but the group's block_size is {spec.block_size}; gpukv hashes and allocates whole blocks",
             )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .blocks import BlockIds, kv_cache_blocks_types
-from .config import gpukv_config, validate
+from .config import gpukv_config, unsupported, validate
 from .events import EventLog
 from .index_reads import match_pages
 from .scope import scope_of
@@ -42,10 +42,6 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)  # an admission without a hit matches n
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _unsupported(feature: str, detail: str) -> NotImplementedError:
-    return NotImplementedError(f"gpukv's vLLM KV cache manager does not support {feature} ({detail})")
 
 
 class GpukvKVCacheManager:
@@ -172,9 +168,9 @@ class GpukvKVCacheManager:
     # -- lookup ----------------------------------------------------------------------
     def _check_request(self, request) -> None:
         if request.mm_features:
-            raise _unsupported("multimodal inputs", f"request {request.request_id!r} has {len(request.mm_features)} item(s)")
+            raise unsupported("multimodal inputs", f"request {request.request_id!r} has {len(request.mm_features)} item(s)")
         if request.prompt_embeds is not None:
-            raise _unsupported("prompt embeddings", f"request {request.request_id!r}")
+            raise unsupported("prompt embeddings", f"request {request.request_id!r}")
 
     def get_computed_blocks(self, request, max_cache_hit_length: int | None = None):
         """``(hit blocks, hit tokens, 0)``: the longest cached prefix, at most
@@ -249,11 +245,11 @@ class GpukvKVCacheManager:
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
         if num_external_computed_tokens or delay_cache_blocks or skip_zeroing_group_ids:
-            raise _unsupported("KV connectors", "external computed tokens / delayed caching")
+            raise unsupported("KV connectors", "external computed tokens / delayed caching")
         if num_encoder_tokens:
-            raise _unsupported("encoder-decoder models", f"{num_encoder_tokens} encoder tokens for cross-attention")
+            raise unsupported("encoder-decoder models", f"{num_encoder_tokens} encoder tokens for cross-attention")
         if num_lookahead_tokens or request.spec_token_ids:
-            raise _unsupported("speculative decoding", f"request {request.request_id!r} has draft or lookahead tokens")
+            raise unsupported("speculative decoding", f"request {request.request_id!r} has draft or lookahead tokens")
         step = self._step
         if step.closes:
             self._flush()  # freed pages count before this decision, as in vLLM
@@ -336,10 +332,8 @@ class GpukvKVCacheManager:
             if not fits(evictable, free):
                 return None
         state = RequestState(
-            request, scope_of(request), hit,
-            admit_tokens=hit_blocks.tokens[:hit] if hit else _NO_TOKENS, hit_blocks=[], hit_ids=[],
+            request, scope_of(request), hit, hit_blocks.tokens[:hit] if hit else _NO_TOKENS, num_blocks=shared + new,
         )
-        state.num_blocks = shared + new
         self._requests[request.request_id] = state
         self._group.req_to_blocks[request.request_id] = state.blocks
         if shared and self.enable_caching:
@@ -467,16 +461,16 @@ class GpukvKVCacheManager:
 
     # -- connector-only members, refused ------------------------------------------------
     def get_computed_blocks_for_connector(self, request, max_cache_hit_length=None):
-        raise _unsupported("KV connectors", "get_computed_blocks_for_connector")
+        raise unsupported("KV connectors", "get_computed_blocks_for_connector")
 
     def truncate_computed_blocks(self, blocks, num_computed_tokens):
-        raise _unsupported("KV connectors", "truncate_computed_blocks")
+        raise unsupported("KV connectors", "truncate_computed_blocks")
 
     def pop_blocks_for_free(self, request):
-        raise _unsupported("KV connectors", "deferred block frees (pop_blocks_for_free)")
+        raise unsupported("KV connectors", "deferred block frees (pop_blocks_for_free)")
 
     def evict_blocks(self, block_ids) -> None:
-        raise _unsupported("KV connectors", "evict_blocks")
+        raise unsupported("KV connectors", "evict_blocks")
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        raise _unsupported("KV connectors", "record_blocks_for_zeroing after a failed load")
+        raise unsupported("KV connectors", "record_blocks_for_zeroing after a failed load")

@@ -24,6 +24,7 @@ from vllm.v1.core.sched import scheduler as _sched_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from .config import unsupported
 from .manager import GpukvKVCacheManager
 
 _rebind_lock = threading.Lock()
@@ -41,20 +42,17 @@ def _builds_gpukv_manager(partial_reuse: bool | None):
 
 
 def _refuse_unsupported(vllm_config) -> None:
-    def no(feature: str, detail: str):
-        raise NotImplementedError(f"gpukv's vLLM scheduler does not support {feature} ({detail})")
-
     if vllm_config.kv_transfer_config is not None:
-        no("KV connectors", f"kv_transfer_config.kv_connector={vllm_config.kv_transfer_config.kv_connector!r}")
+        raise unsupported("KV connectors", f"kv_transfer_config.kv_connector={vllm_config.kv_transfer_config.kv_connector!r}")
     if vllm_config.ec_transfer_config is not None:
-        no("encoder-cache connectors", "ec_transfer_config is set")
+        raise unsupported("encoder-cache connectors", "ec_transfer_config is set")
     if vllm_config.speculative_config is not None:
-        no("speculative decoding", f"method={vllm_config.speculative_config.method!r}")
+        raise unsupported("speculative decoding", f"method={vllm_config.speculative_config.method!r}")
     model = vllm_config.model_config
     if model.is_encoder_decoder:
-        no("encoder-decoder models", model.model)
+        raise unsupported("encoder-decoder models", model.model)
     if model.supports_multimodal_inputs:
-        no("multimodal inputs", f"{model.model} accepts them")
+        raise unsupported("multimodal inputs", f"{model.model} accepts them")
 
 
 class _GpukvSchedulerMixin:

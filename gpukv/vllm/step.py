@@ -53,12 +53,12 @@ class RequestState:
         "admit_tokens", "scope", "in_alloc", "in_commit", "freed",
     )
 
-    def __init__(self, request, scope, hit: int, admit_tokens, hit_blocks: list, hit_ids: list):
+    def __init__(self, request, scope, hit: int, admit_tokens, num_blocks: int):
         self.request = request
         self.kv = None  # the gpukv KVCache, once the admission is issued
-        self.blocks = hit_blocks  # vLLM KVCacheBlock objects, append-only (the worker's block table)
-        self.ids = hit_ids  # their block ids, kept beside them (get_block_ids is read every step)
-        self.num_blocks = len(hit_blocks)  # blocks once the pending allocation is issued
+        self.blocks: list = []  # vLLM KVCacheBlock objects, append-only (the worker's block table), as issued
+        self.ids: list[int] = []  # their block ids, kept beside them (get_block_ids is read every step)
+        self.num_blocks = num_blocks  # blocks once the queued allocation is issued
         self.hit = hit  # tokens reused at admission
         self.committed = hit  # tokens committed into gpukv's tree (issued)
         self.target = hit  # tokens to commit (decided)
