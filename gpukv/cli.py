@@ -132,6 +132,7 @@ def cmd_info(args) -> int:
         forced = os.environ.get("GPUKV_BACKEND", "auto")
         why = f"GPUKV_BACKEND={forced}" if forced != "auto" else cuda_unusable_reason()
         print(f"  (auto chose cpu: {why})")
+        print("  the cuda backend needs a GPU with its driver, CuPy and numba-cuda: pip install 'gpukv[cuda]'")
     for name, v in _versions().items():
         print(f"{name}: {v}")
     print("default config:")

@@ -53,3 +53,4 @@ def test_info_says_why_auto_chose_cpu():
     assert out.returncode == 0, out.stderr
     assert "backend: cpu" in out.stdout
     assert "auto chose cpu:" in out.stdout
+    assert "pip install 'gpukv[cuda]'" in out.stdout  # what the cuda backend needs
