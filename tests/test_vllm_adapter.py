@@ -147,6 +147,7 @@ def test_parity_schedules_exactly_as_stock_vllm(stock):
     assert gk.hits == stock.hits
     assert gk.stats == stock.stats
     assert gk.copies == [] and stock.copies == []
+    assert len(gk.sched.kv_cache_manager.gpukv.take_page_copies()) == 0  # gpukv decided none either
     assert gk.sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1  # everything freed
 
 
@@ -158,6 +159,7 @@ def test_partial_reuse_hits_at_least_as_much_and_copies_are_valid(stock):
     for src, dst in gk.copies:
         assert 1 <= src < NUM_BLOCKS and 1 <= dst < NUM_BLOCKS and src != dst
     assert gk.num_copies == len(gk.copies)  # the worker ran every copy (and read correct KV after them)
+    assert len(gk.sched.kv_cache_manager.gpukv.take_page_copies()) == 0  # every copy gpukv decided was handed on
     assert gk.sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
 
 

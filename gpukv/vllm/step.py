@@ -169,6 +169,7 @@ class StepCalls:
     def _issue_allocations(self) -> None:
         alloc, self.alloc = self.alloc, []
         self.pending_new = self.pending_hits = 0
+        copies = False
         # Runs of admissions and of growths, each in decision order: an
         # admission holds its hit before the resize that follows it.
         start = 0
@@ -180,6 +181,10 @@ class StepCalls:
             run = alloc[start:stop]
             if admitting:
                 self._create(run)
+                # The one source of page copies in the adapter's configuration
+                # (no host tier, no commit_min_snapshot): the first resume's
+                # private copy of a hit that ends inside a block.
+                copies = copies or any(s.hit % self._T for s in run)
             ok = self._gk.resize_batch([s.kv for s in run], [s.num_blocks * self._T for s in run])
             if not ok.all():
                 bad = run[int(np.argmin(ok))]
@@ -193,7 +198,8 @@ class StepCalls:
                 # pages come from the free list or eviction.
                 self._take_new_blocks(s, s.hit // self._T if admitting else len(s.ids))
             start = stop
-        self._take_copies()
+        if copies:
+            self._take_copies()
 
     def _create(self, run: list) -> None:
         gk = self._gk
