@@ -351,8 +351,9 @@ def cmd_simulate(args) -> int:
         else:
             workload = workloads.default_workload(args.conversations, seed=args.seed,
                                             tokens_per_block=args.tokens_per_block, duration_s=args.duration)
-            if args.limit is not None:
+            if args.limit is not None and args.limit < len(workload.requests):
                 workload.requests = workload.requests[: args.limit]
+                workload.description += f", of which the first {args.limit} (--limit)"
         progress = sys.stderr.isatty() and not args.no_progress
         if args.workers > 1 or args.kv_events is not None:
             from .sim.cluster import run_cluster

@@ -281,3 +281,10 @@ def test_every_option_of_every_command_says_what_it_is_for():
         for action in command._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, f"gpukv {name} {action.option_strings[0]} has no help"
+
+
+def test_a_limit_says_how_many_requests_the_run_takes(capsys):
+    assert cli.main([*SMALL, "--limit", "0", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["requests"] == 0
+    assert summary["workload"].endswith("of which the first 0 (--limit)"), summary["workload"]
