@@ -354,3 +354,31 @@ def test_importing_gpukv_vllm_does_not_import_vllm():
     code = ("import sys, gpukv, gpukv.vllm; "
             "assert 'vllm' not in sys.modules, sorted(k for k in sys.modules if k.startswith('vllm'))")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_mode_comes_from_the_flag_or_the_environment(monkeypatch):
+    args = dict(max_model_len=4096, scheduler_block_size=T, hash_block_size=T)
+    monkeypatch.delenv("GPUKV_VLLM_MODE", raising=False)
+    assert GpukvKVCacheManager(kv_config(8), **args).partial_reuse is False  # parity by default
+    monkeypatch.setenv("GPUKV_VLLM_MODE", "partial")
+    assert GpukvKVCacheManager(kv_config(8), **args).partial_reuse is True
+    assert GpukvKVCacheManager(kv_config(8), partial_reuse=False, **args).partial_reuse is False  # the flag wins
+    monkeypatch.setenv("GPUKV_VLLM_MODE", "halfway")
+    with pytest.raises(ValueError, match="GPUKV_VLLM_MODE"):
+        GpukvKVCacheManager(kv_config(8), **args)
+
+
+def test_scheduler_cls_by_name_builds_gpukvs_manager():
+    from vllm.config import SchedulerConfig
+    from vllm.v1.core.sched import scheduler as sched_module
+
+    from gpukv.vllm import GpukvAsyncScheduler, GpukvScheduler
+
+    for name, cls in (("gpukv.vllm.GpukvScheduler", GpukvScheduler), ("gpukv.vllm.GpukvAsyncScheduler", GpukvAsyncScheduler)):
+        config = SchedulerConfig(max_model_len=4096, is_encoder_decoder=False, scheduler_cls=name)
+        assert config.get_scheduler_cls() is cls
+    for manager, partial in (("parity", False), ("partial", True)):
+        kv = make_scheduler(manager, num_blocks=32).kv_cache_manager
+        assert isinstance(kv, GpukvKVCacheManager) and kv.partial_reuse is partial
+    assert sched_module.KVCacheManager is KVCacheManager  # the rebinding was undone
+    assert type(make_scheduler("stock", num_blocks=32).kv_cache_manager) is KVCacheManager
