@@ -25,9 +25,8 @@ import sys
 
 TRACE_HELP = (
     "a Mooncake-format JSONL trace (512-token hash ids) instead of the built-in multi-turn chats. "
-    "Without FILE: $GPUKV_TRACE, else shared/data/mooncake_conversation_trace.jsonl in or beside the "
-    "checkout. The trace replayed in docs/performance.md is the conversation trace of Mooncake's FAST'25 "
-    "trace release (github.com/kvcache-ai/Mooncake, FAST25-release/traces)"
+    "Without FILE: $GPUKV_TRACE. The trace measured in gpukv's performance notes is the conversation trace "
+    "of Mooncake's FAST'25 trace release (github.com/kvcache-ai/Mooncake, FAST25-release/traces)"
 )
 
 
@@ -40,8 +39,7 @@ def trace_path(arg) -> str | None:
 
     found = find_mooncake_trace()
     if found is None:
-        raise ValueError("--trace without FILE needs $GPUKV_TRACE (the path of a Mooncake-format trace) or "
-                         "shared/data/mooncake_conversation_trace.jsonl in or beside the checkout; "
+        raise ValueError("--trace without FILE needs $GPUKV_TRACE (the path of a Mooncake-format trace); "
                          "see gpukv simulate --help for where the trace comes from")
     return str(found)
 

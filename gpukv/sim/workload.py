@@ -69,16 +69,10 @@ MOONCAKE_TRACE_NAME = "mooncake_conversation_trace.jsonl"
 
 
 def find_mooncake_trace() -> Path | None:
-    """The conversation trace: ``$GPUKV_TRACE`` if set, else ``shared/data/``
-    in or next to the repository checkout; None when absent."""
+    """The trace ``$GPUKV_TRACE`` names (the benchmarks' and ``gpukv simulate
+    --trace``'s default); None when it is not set."""
     env = os.environ.get("GPUKV_TRACE")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]  # gpukv/sim/workload.py -> the checkout
-    for d in (repo / "shared" / "data", repo.parent / "shared" / "data"):
-        if (d / MOONCAKE_TRACE_NAME).is_file():
-            return d / MOONCAKE_TRACE_NAME
-    return None
+    return Path(env) if env else None
 
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
