@@ -168,24 +168,33 @@ class StepCalls:
 
     def _issue_allocations(self) -> None:
         alloc, self.alloc = self.alloc, []
+        evicts = self.pending_new > free_pages(self._gk)
         self.pending_new = self.pending_hits = 0
+        T = self._T
+        if evicts:
+            # Runs of admissions and of growths, each in decision order: what
+            # one allocation evicts depends on what the earlier ones hold.
+            runs, start = [], 0
+            while start < len(alloc):
+                stop = start + 1
+                while stop < len(alloc) and (alloc[stop].kv is None) == (alloc[start].kv is None):
+                    stop += 1
+                runs.append(alloc[start:stop])
+                start = stop
+        else:
+            # Nothing is evicted: holding every hit first changes no outcome,
+            # and one resize hands out pages in decision order, as vLLM does.
+            runs = [alloc]
         copies = False
-        # Runs of admissions and of growths, each in decision order: an
-        # admission holds its hit before the resize that follows it.
-        start = 0
-        while start < len(alloc):
-            admitting = alloc[start].kv is None
-            stop = start + 1
-            while stop < len(alloc) and (alloc[stop].kv is None) == admitting:
-                stop += 1
-            run = alloc[start:stop]
-            if admitting:
-                self._create(run)
+        for run in runs:
+            admitted = {id(s) for s in run if s.kv is None}
+            if admitted:
+                self._create([s for s in run if s.kv is None])
                 # The one source of page copies in the adapter's configuration
                 # (no host tier, no commit_min_snapshot): the first resume's
                 # private copy of a hit that ends inside a block.
-                copies = copies or any(s.hit % self._T for s in run)
-            ok = self._gk.resize_batch([s.kv for s in run], [s.num_blocks * self._T for s in run])
+                copies = copies or any(s.hit % T for s in run)
+            ok = self._gk.resize_batch([s.kv for s in run], [s.num_blocks * T for s in run])
             if not ok.all():
                 bad = run[int(np.argmin(ok))]
                 raise RuntimeError(
@@ -196,8 +205,7 @@ class StepCalls:
                 s.in_alloc = False
                 # An admission's blocks are its hit's and new ones; only the new
                 # pages come from the free list or eviction.
-                self._take_new_blocks(s, s.hit // self._T if admitting else len(s.ids))
-            start = stop
+                self._take_new_blocks(s, s.hit // T if id(s) in admitted else len(s.ids))
         if copies:
             self._take_copies()
 
