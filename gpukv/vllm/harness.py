@@ -146,12 +146,14 @@ class FakeWorker:
     """vLLM's worker, reduced to its block tables and a KV that records which
     token each slot holds."""
 
-    def __init__(self, num_blocks: int, block_size: int, check_kv: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, check_kv: bool = True, sample=next_token):
         """``check_kv=False``: keep the block tables only (async scheduling,
         where a step's last input token is sampled by the step before it and
-        reaches the scheduler only after this step is scheduled)."""
+        reaches the scheduler only after this step is scheduled).
+        ``sample(request_id, position)``: the token the model samples."""
         self.T = block_size
         self.check_kv = check_kv
+        self.sample = sample
         self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)  # token id per slot
         self.tables: dict[str, list[int]] = {}
         self.num_copies = 0
@@ -200,7 +202,7 @@ class FakeWorker:
             req_ids.append(rid)
             # A request samples once its prefill is done (vLLM's worker drops
             # the token of a partial prefill chunk).
-            sampled.append([] if request.is_prefill_chunk else [next_token(rid, request.num_computed_tokens)])
+            sampled.append([] if request.is_prefill_chunk else [self.sample(rid, request.num_computed_tokens)])
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
