@@ -1,13 +1,29 @@
-"""The engine step's batched calls: many caches, one launch.
+"""Every call on KV caches, for one cache or a batch: checks, table room, one launch.
 
-A serving engine touches every running cache each step (a resize for the
-step's tokens, a commit of what was computed, a close of what finished).
-``BatchCalls`` does each of these for a whole list of caches as one launch
-of the sequence kernel over the manager's ``CachePool``: every check is an
-array operation over the batch, the kernel's input goes over in one piece
-per call, and the caches' scalars come back in one transfer. A resize or a
-commit of a single cache (a scheduler admitting one request at a time) is
-the per-cache call itself, which checks one cache faster than arrays do.
+A call on caches (creation with reuse, resume, suspend, resize, commit,
+stop, close) is one launch of a sequence kernel (``kernels/seq.py``) over a
+list of slots of the manager's ``CachePool``, and this module is the only
+host code that makes one. ``KVCache``'s methods are batches of one; the
+manager's batched calls (``create_kv_caches``, ``resume_batch``,
+``resize_batch``, ``commit_batch``, ``close_batch``) batches of many. Both go
+through the same steps, each written once:
+
+    parse    the call's input in its own form: a per-cache call's ints and
+             token sequence, a batched call's lists or flat arrays
+    check    the rules, over every entry's values, before anything changes;
+             an error names the call (``resize()``) or the entry
+             (``resize_batch(): caches[2]: ...``) as ``OneCache`` / ``Entries`` say
+    launch   ask the priority callbacks, reserve room (the segments, free
+             block rows, the change log), set the kernel arguments, launch,
+             read the caches' scalars back: ``CacheCalls._launch``, the one
+             place that reserves table room
+
+A call's values are ints for one cache and int64 arrays for many, and one
+expression serves both (``_any``, ``_first``, ``_at``, ``_total``, ``_max``,
+``_where`` and ``_select`` are the few steps that differ). A per-cache call,
+which an engine's scheduler makes hundreds of times per step, thus costs its
+checks in plain Python and one launch, with no array built for it; a batched
+call of one cache takes the same fast path.
 
 The result of a batched call equals issuing the per-cache calls one by one in
 the order given: the kernel runs the same per-cache code on each cache in
@@ -15,10 +31,9 @@ turn. Input that is wrong for any entry (a cache twice, a closed or foreign
 cache, lengths that disagree, a bad token) is refused with an error naming
 the entry, before anything changes.
 
-It is longer than most modules because it is one public surface, the
-batched half of ``KVCache``'s calls: each call is its checks over the batch
-and one launch, and the checks are what the per-cache methods check, per
-entry.
+A cache is known here by its pool slot and the serial the pool gave it
+(``KVCache._slot`` and ``_serial``, its handle); everything else a call needs
+of it (scalars, segment, priority callback) is the pool's.
 """
 
 from __future__ import annotations
@@ -28,6 +43,9 @@ from operator import attrgetter
 import numpy as np
 
 from .arena import TokenSequence
+from .cache import KVCache
+from .cache_pool import is_batch, ranges
+from .core.config import DEFAULT_PRIORITY, check_priority
 from .core.layout import (
     ACTIVE,
     CLOSED,
@@ -42,11 +60,11 @@ from .core.layout import (
     SUSPENDED,
     USER_STOP,
 )
-from .core.scope import as_scope
-from .kernels.seq import SEQ_CLOSE, SEQ_COMMIT, SEQ_RESIZE, SEQ_RESUME, SEQ_SETUP_REUSE, SEQ_STOP
+from .core.scope import ReuseScope, as_scope
+from .kernels.seq import SEQ_CLOSE, SEQ_COMMIT, SEQ_RESIZE, SEQ_RESUME, SEQ_SETUP_REUSE, SEQ_STOP, SEQ_SUSPEND
 from .kernels.sha256 import digest_to_int64x4
 from .launcher import BusyError, LogicError
-from .cache_pool import pools_can_hold, ranges
+from .tables import log_tokens_rows_for
 from .tokens import ValidTokens, check_flat, flatten, token_array
 
 _slot_of = attrgetter("_slot")
@@ -54,21 +72,532 @@ _serial_of = attrgetter("_serial")
 _STATUS_NAMES = {SUSPENDED: "SUSPENDED", ACTIVE: "ACTIVE", CLOSED: "CLOSED"}
 
 
-class BatchCalls:
-    """The batched calls of one manager (``KVCacheManager`` delegates here)."""
+# -- a call's values: an int for one cache, an array for many ----------------------------------
+# (``type(x) is _ARRAY`` is ``cache_pool.is_batch`` without the call: these
+# run several times in every per-cache call)
+_ARRAY = np.ndarray
+
+
+def _any(bad) -> bool:
+    return bool(bad.any()) if type(bad) is _ARRAY else bool(bad)
+
+
+def _first(bad) -> int:
+    """The first entry where ``bad`` holds (0 for one cache)."""
+    return int(np.argmax(bad)) if type(bad) is _ARRAY else 0
+
+
+def _at(value, i: int):
+    return value[i] if type(value) is _ARRAY else value
+
+
+def _total(value) -> int:
+    return int(value.sum()) if type(value) is _ARRAY else int(value)
+
+
+def _max(a, b):
+    return np.maximum(a, b) if type(a) is _ARRAY or type(b) is _ARRAY else max(a, b)
+
+
+def _min(a, b):
+    return np.minimum(a, b) if type(a) is _ARRAY or type(b) is _ARRAY else min(a, b)
+
+
+def _where(cond, a, b):
+    return np.where(cond, a, b) if type(cond) is _ARRAY else (a if cond else b)
+
+
+def _count(slots) -> int:
+    return len(slots) if type(slots) is _ARRAY else 1
+
+
+def _select(ok, columns: list):
+    """``columns`` (one value each per entry) at the entries where ``ok``
+    holds, and those entries' positions (None: all of them); ``(None, ...)``
+    when none does."""
+    if type(ok) is not _ARRAY:
+        return (columns, None) if ok else (None, None)
+    go = np.flatnonzero(ok)
+    if not go.size:
+        return None, go
+    if go.size == len(ok):
+        return columns, None
+    return [c[go] if type(c) is _ARRAY else c for c in columns], go
+
+
+def _offsets(counts) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+# A stop or a close commits at most its pending partial tail: free block rows
+# for it and its root, and change-log token rows for announcing it.
+_STOP_ROWS = 2
+
+
+def _stop_announced(num_blocks):
+    return 2 * num_blocks + 2
+
+
+def pools_can_hold(rules, T: int, have, blocks, history):
+    """False where some life cycle would need more new pages for ``blocks``
+    blocks than its whole GPU pool has (``CachePool.hold_rules``): full
+    attention one per new block past the ``have`` the cache holds, a sliding
+    window one per new block past its stale range at ``history``
+    (``LifeCycle.stale_range``)."""
+    ok = True
+    for window, sinks, pool in rules:
+        first_new = have
+        if window:
+            start = _min(-(-history // T), sinks)
+            first_new = _max(have, _max(start, (history + 1 - window) // T))
+        ok = ok & (blocks - first_new <= pool)
+    return ok
+
+
+# -- how a call's errors read ------------------------------------------------------------------
+class OneCache:
+    """A per-cache call's errors: the call's own sentences."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: str):
+        self.call = call
+
+    def require(self, got, status: int):
+        if got != status:
+            raise LogicError(f"{self.call} needs a {_STATUS_NAMES[status]} KV cache; this one is {_STATUS_NAMES[int(got)]}")
+
+    def check(self, bad, error, text: str, *values):
+        """Raise ``error(text with values)`` if ``bad`` holds."""
+        if bad:
+            raise error(text.format(*values))
+
+    def where(self, i: int) -> str:
+        return ""
+
+
+class Entries:
+    """A batched call's errors: each names the entry it is about, the
+    per-cache sentence following (``commit_batch(): caches[2]: committing ...``)."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: str):
+        self.call = call
+
+    def require(self, got, status: int):
+        bad = got != status
+        if _any(bad):
+            i = _first(bad)
+            raise LogicError(f"{self.call}: caches[{i}] is {_STATUS_NAMES[int(_at(got, i))]}; "
+                             f"the call needs {_STATUS_NAMES[status]} KV caches")
+
+    def check(self, bad, error, text: str, *values):
+        """Raise ``error(text with the entry's values)`` for the first entry where ``bad`` holds."""
+        if _any(bad):
+            i = _first(bad)
+            sentence = text.format(*(_at(v, i) for v in values))
+            raise error(f"{self.call}: {self.where(i)}{sentence[:1].lower()}{sentence[1:]}")
+
+    def where(self, i: int) -> str:
+        return f"caches[{i}]: "
+
+
+_RESUME = OneCache("resume()")
+_SUSPEND = OneCache("suspend()")
+_RESIZE = OneCache("resize()")
+_COMMIT = OneCache("commit()")
+
+
+class CacheCalls:
+    """The calls on the caches of one manager: ``*_one`` for ``KVCache``'s
+    methods, the others for the manager's batched calls."""
 
     def __init__(self, ctx, stats):
         self.ctx = ctx
         self.config = ctx.config
         self.pool = ctx.pool
         self.tables = ctx.tables
+        self.tree = ctx.tree
+        self.matcher = ctx.matcher
         self.launcher = ctx.launcher
+        self.open_caches = ctx.open_caches
         self.backend = ctx.tables.backend
         self.T = ctx.config.tokens_per_block
         self.L = len(ctx.config.life_cycles)
         self._stats = stats  # callable: the manager's current ReuseStats
 
-    # -- checks -----------------------------------------------------------------------
+    def _scalars(self, slots, *columns) -> list:
+        """The caches' scalars ``columns`` (``Q_*``): arrays for many caches,
+        Python ints for one (one conversion of its row, then every rule is
+        Python arithmetic, not NumPy's slower scalars)."""
+        S = self.pool.host_scalars
+        if type(slots) is _ARRAY:
+            return [S[slots, c] for c in columns]
+        return list(map(S[slots].tolist().__getitem__, columns))
+
+    # -- one cache: KVCache's methods (and create_kv_cache) ---------------------------------
+    def create_one(self, input_tokens, scope, priority_callback) -> KVCache:
+        scope = as_scope(scope)
+        queries = arrays = None
+        if input_tokens is not None:
+            if type(input_tokens) is TokenSequence:  # the scheduler's registered request
+                self.matcher.check_sequence(0, input_tokens)
+                arrays, queries = [np.array(self.backend.to_host(input_tokens.tokens))], [input_tokens]
+            else:
+                # Digests only looked up: a matched prefix holds interned ones
+                # only, and a digest no block holds need not be kept.
+                a = token_array(input_tokens, self.tables.lookup_digest)
+                arrays, queries = [a], [ValidTokens(a)]
+        if priority_callback is not None and not callable(priority_callback):
+            raise TypeError(f"priority_callback must be callable(ordinal, life_cycle_id) -> int, got {priority_callback!r}")
+        return self._create(queries, arrays, scope, [scope], [priority_callback])[0]
+
+    def resume_one(self, slot: int) -> bool:
+        _RESUME.require(self.pool.host_scalars[slot, Q_STATUS], SUSPENDED)
+        return bool(self._resume(_RESUME, slot))
+
+    def suspend_one(self, slot: int):
+        status, nb = self._scalars(slot, Q_STATUS, Q_NUM_BLOCKS)
+        _SUSPEND.require(status, ACTIVE)
+        self._launch(_SUSPEND, slot, SEQ_SUSPEND, span=nb)
+
+    def resize_one(self, slot: int, capacity, history_length) -> bool:
+        status, cap, hist = self._scalars(slot, Q_STATUS, Q_CAPACITY, Q_HISTORY)
+        _RESIZE.require(status, ACTIVE)
+        cap = cap if capacity is None else _int("capacity", capacity)
+        hist = hist if history_length is None else _int("history_length", history_length)
+        return bool(self._resize(_RESIZE, slot, cap, hist))
+
+    def commit_one(self, slot: int, tokens, is_end):
+        _COMMIT.require(self.pool.host_scalars[slot, Q_STATUS], ACTIVE)
+        if not isinstance(is_end, (bool, np.bool_)):
+            raise TypeError(f"is_end must be a bool, got {is_end!r}")
+        # Digests are only looked up until every check has passed, so a
+        # rejected commit interns nothing.
+        arr = token_array(tokens, self.tables.lookup_digest)
+        interned = (lambda: token_array(tokens, self.tables.intern_digest)) if _holds_digests(arr) else None
+        self._commit(_COMMIT, slot, arr, len(arr), bool(is_end), interned)
+
+    def stop_one(self, slot: int):
+        status, nb = self._scalars(slot, Q_STATUS, Q_NUM_BLOCKS)
+        if status == CLOSED:
+            raise LogicError("stop_committing() on a closed KV cache")
+        self._launch(None, slot, SEQ_STOP, rows=_STOP_ROWS, announced=_stop_announced(nb), span=nb)
+
+    def close_one(self, kv: KVCache, evict_first):
+        if not isinstance(evict_first, bool):
+            raise TypeError(f"evict_first must be a bool, got {evict_first!r}")
+        slot = kv._slot
+        if self.pool.host_scalars[slot, Q_STATUS] != CLOSED:  # closing twice is a no-op
+            self._close(slot, int(evict_first), kv)
+
+    # -- many caches: the manager's batched calls -------------------------------------------
+    def create(self, requests, scopes=None, priority_callbacks=None) -> list:
+        """New SUSPENDED caches, each holding what ``create_kv_cache`` would:
+        one match launch for all, then one launch holding their reused pages."""
+        what = "create_kv_caches()"
+        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
+            raise TypeError(f"{what}: requests must be a list of token sequences")
+        n = len(requests)
+        callbacks = [None] * n if priority_callbacks is None else list(priority_callbacks)
+        if len(callbacks) != n:
+            raise ValueError(f"{what}: priority_callbacks has {len(callbacks)} entries for {n} requests")
+        for i, cb in enumerate(callbacks):
+            if cb is not None and not callable(cb):
+                raise TypeError(f"{what}: priority_callbacks[{i}] must be callable(ordinal, life_cycle_id) -> int, got {cb!r}")
+        scope_list = self._scope_list(scopes, n, what)
+        b = self.backend
+        queries, arrays = [], []
+        for i, r in enumerate(requests):  # one conversion per request, as create_kv_cache does
+            if type(r) is TokenSequence:
+                self.matcher.check_sequence(i, r)
+                arrays.append(np.asarray(b.to_host(r.tokens)))
+                queries.append(r)
+            else:
+                a = token_array(r, self.tables.lookup_digest, request=i)
+                arrays.append(a)
+                queries.append(ValidTokens(a))
+        return self._create(queries, arrays, as_scope(scopes) if _one_scope(scopes) else scope_list, scope_list,
+                            callbacks)
+
+    def resume(self, caches) -> np.ndarray:
+        naming = Entries("resume_batch()")
+        slots = self.slots(caches, naming.call)
+        naming.require(self.pool.host_scalars[slots, Q_STATUS], SUSPENDED)
+        if len(slots) == 1:
+            return np.array([self._resume(naming, int(slots[0]))])
+        return self._resume(naming, slots) if len(slots) else np.zeros(0, dtype=bool)
+
+    def resize(self, caches, capacities, history_lengths=None) -> np.ndarray:
+        naming = Entries("resize_batch()")
+        slots = self.slots(caches, naming.call)
+        n = len(slots)
+        S = self.pool.host_scalars
+        naming.require(S[slots, Q_STATUS], ACTIVE)
+        cap = self.ints(capacities, n, "capacities", naming.call)
+        if history_lengths is None:
+            hist = S[slots, Q_HISTORY]
+        else:
+            hist = self.ints(history_lengths, n, "history_lengths", naming.call)
+        if not n:
+            return np.zeros(0, dtype=bool)
+        if n == 1:
+            return np.array([self._resize(naming, int(slots[0]), int(cap[0]), int(hist[0]))])
+        return self._resize(naming, slots, cap, hist)
+
+    def commit(self, caches, tokens, is_end=False) -> None:
+        naming = Entries("commit_batch()")
+        slots = self.slots(caches, naming.call)
+        n = len(slots)
+        naming.require(self.pool.host_scalars[slots, Q_STATUS], ACTIVE)
+        end = self.flags(is_end, n, "is_end", naming.call)
+        flat, offsets, digests = self._tokens(tokens, n, naming.call)
+        interned = None if digests is None else (lambda: self._tokens(digests, n, naming.call, intern=True)[0])
+        if n == 1:
+            self._commit(naming, int(slots[0]), flat, int(offsets[1]), bool(end[0]), interned)
+        else:
+            self._commit(naming, slots, flat, np.diff(offsets), end, interned)
+
+    def close(self, caches, evict_first=False) -> None:
+        naming = Entries("close_batch()")
+        slots = self.slots(caches, naming.call)
+        n = len(slots)
+        first = self.flags(evict_first, n, "evict_first", naming.call).astype(np.int64)
+        go = np.flatnonzero(self.pool.host_scalars[slots, Q_STATUS] != CLOSED)  # closing twice is a no-op
+        if go.size == 1:
+            self._close(int(slots[go[0]]), int(first[go[0]]), caches[int(go[0])])
+        elif go.size:
+            self._close(slots[go], first[go], caches if go.size == n else [caches[i] for i in go.tolist()])
+
+    # -- the calls, over a slot or slots ----------------------------------------------------
+    def _create(self, queries, arrays, match_scopes, scope_list, callbacks) -> list:
+        """Caches for ``callbacks`` (one per cache) in the scopes of
+        ``scope_list``, holding what ``queries`` match (None: nothing
+        looked up), ``arrays`` their tokens."""
+        n = len(callbacks)
+        if not n:
+            return []
+        tree = self.tree
+        matched = nblocks = np.zeros(n, dtype=np.int64)
+        if queries is not None:
+            m = self.matcher.match(queries, match_scopes).to_host()
+            matched = np.asarray(m.num_tokens, dtype=np.int64)
+            nblocks = np.diff(np.asarray(m.block_offsets, dtype=np.int64))
+        sids = np.empty(n, dtype=np.int64)
+        keys = np.empty(n, dtype=np.int64)
+        digests = np.empty((n, 4), dtype=np.int64)
+        known = {}
+        for i, s in enumerate(scope_list):  # the distinct scopes, once each
+            k = id(s)
+            if k not in known:
+                sid = tree.scope_id(s, create=True)
+                known[k] = (sid, tree.scope_key(sid), digest_to_int64x4(tree.scope_digest(sid)))
+            sids[i], keys[i], digests[i] = known[k]
+        # Segments with room for the matched blocks, which reuse setup writes.
+        slots = self.pool.allocate(n, sids, keys, digests, nblocks, callbacks)
+        caches = [KVCache(self.ctx, self, s) for s in slots.tolist()]
+        # From here to the return, an exception (an interrupt included) means
+        # the caller never gets these caches: they must not stay open, holding
+        # their reused pages and keeping shutdown() refused.
+        try:
+            self.open_caches.update(caches)
+            go = np.flatnonzero(matched > 0)
+            if go.size == 1:
+                i = int(go[0])
+                self._launch(None, int(slots[i]), SEQ_SETUP_REUSE, (int(matched[i]), int(nblocks[i])),
+                             span=int(nblocks[i]), tokens=arrays[i][: matched[i]],
+                             path=np.asarray(m.block_ids, dtype=np.int64)[m.block_offsets[i]:m.block_offsets[i + 1]])
+            elif go.size:
+                starts = _offsets(np.fromiter(map(len, arrays), dtype=np.int64, count=n))[:-1]
+                flat = np.concatenate(arrays).astype(np.int32, copy=False)[ranges(starts[go], matched[go])]
+                path = np.asarray(m.block_ids, dtype=np.int64)[ranges(np.asarray(m.block_offsets)[go], nblocks[go])]
+                self._launch(None, slots[go], SEQ_SETUP_REUSE, (matched[go], nblocks[go]), span=_total(nblocks[go]),
+                             tokens=flat, tokens_off=_offsets(matched[go]), path=path, path_off=_offsets(nblocks[go]))
+            if queries is not None:
+                stats = self._stats()
+                has_ssm = self.config.ssm_life_cycle_id is not None
+                for a, reused in zip(arrays, matched.tolist()):
+                    stats.record(len(a), reused, self.T, has_ssm)
+            return caches
+        except BaseException:
+            try:
+                self.close(caches)
+            except BaseException:
+                pass  # the first exception is the one to report
+            raise
+
+    def _resume(self, naming, slots):
+        (nb,) = self._scalars(slots, Q_NUM_BLOCKS)
+        self._launch(naming, slots, SEQ_RESUME, priorities=nb, span=_total(nb),
+                     allocated=_total(nb) + 2 * _count(slots))
+        return self.pool.host_scalars[slots, Q_RESULT] != 0
+
+    def _resize(self, naming, slots, cap, hist):
+        """``resize(cap, hist)`` of each cache: True where done, False where a
+        page pool is short (that cache unchanged)."""
+        old_cap, old_hist, have = self._scalars(slots, Q_CAPACITY, Q_HISTORY, Q_NUM_BLOCKS)
+        naming.check(hist < old_hist, ValueError, "history_length cannot decrease ({} < {})", hist, old_hist)
+        naming.check(cap < hist, ValueError, "capacity {} is below history_length {}", cap, hist)
+        scratch = self.config.swa_scratch_reuse
+        if scratch is not None:
+            naming.check((cap != old_cap) & ((hist < old_cap - scratch.max_rewind_len) | (hist > old_cap)), ValueError,
+                         "with swa_scratch_reuse a capacity change needs capacity - max_rewind_len <= history_length "
+                         "<= capacity (the old capacity {}), got history_length {}", old_cap, hist)
+            shrink = cap < old_cap
+            if _any(shrink):  # the scratch counts live on the device: read only when needed
+                held = self.pool.rows(self.pool.arrays.scratch_count, slots).any(axis=-1)
+                naming.check(shrink & held, ValueError,
+                             "cannot shrink the capacity while scratch slots are held (suspend first)")
+        blocks = -(-cap // self.T)
+        # Refused before anything is allocated for the new blocks: more than a whole pool.
+        ok = pools_can_hold(self.pool.hold_rules, self.T, have, blocks, hist)
+        picked, go = _select(ok, [slots, cap, hist, have, blocks])
+        if picked is None:
+            return False if go is None else np.zeros(len(slots), dtype=bool)
+        s, c, h, have, blocks = picked
+        k = self.pool.scratch_width
+        self._launch(naming, s, SEQ_RESIZE, (c, h), segment=blocks, priorities=blocks,
+                     span=_total(_max(have, blocks)),  # the old blocks (stale ones, a shrink) and the new
+                     allocated=_total(_max(0, blocks - have)) + _count(s) * (k + 1))
+        done = self.pool.host_scalars[s, Q_RESULT] != 0
+        if go is None:
+            return done
+        out = np.zeros(len(slots), dtype=bool)
+        out[go] = done
+        return out
+
+    def _commit(self, naming, slots, flat, count, end, interned):
+        """``commit`` of ``count`` tokens of ``flat`` each (in order; for one
+        cache all of them), ``end`` its ``is_end``; ``interned()``: ``flat``
+        again with its digests interned (None: it holds none)."""
+        T = self.T
+        n0, state, cap, h, full, nb = self._scalars(
+            slots, Q_COMMITTED, Q_COMMIT_STATE, Q_CAPACITY, Q_HISTORY, Q_COMMITTED_BLOCKS, Q_NUM_BLOCKS)
+        n1 = n0 + count
+        some = count > 0
+        naming.check(some & (state == USER_STOP), LogicError, "Cannot commit tokens after stop_committing()")
+        naming.check(some & (n1 > cap), ValueError, "committing {} tokens would pass the capacity ({} > {})",
+                     count, n1, cap)
+        if self.config.commit_min_snapshot:
+            naming.check(some & (h != n0) & (h != n1), ValueError,
+                         "commit_min_snapshot: history_length ({}) must equal the committed length before ({}) or "
+                         "after ({}) the commit of {} tokens", h, n0, n1, count)
+        if interned is not None:
+            flat = interned()
+        # No tokens and no end: nothing to do (a stop is a commit of none that ends).
+        picked, _ = _select(some | end, [slots, n0, n1, count, end, some, full, nb])
+        if picked is None:
+            return
+        slots, n0, n1, count, end, some, full, nb = picked
+        blocks = _where(some, -(-n1 // T), nb)
+        # Only a commit that completes a block, snapshots a partial one or
+        # ends the sequence adds to the tree: for it the new blocks and a
+        # re-attached chain (the whole committed chain, in case it was
+        # detached meanwhile), announcements per life cycle; for a stop its
+        # pending tail. Most decode commits complete no block and need
+        # nothing: counting their chains too made the first decode step of a
+        # large batch double the block table and grow the change log's
+        # tokens forty-fold.
+        grows = (n1 // T > full) | end
+        if self.config.commit_min_snapshot:
+            grows = grows | (n1 % T != 0)
+        rows = _where(some, blocks + 2, _STOP_ROWS)
+        announced = _where(some, log_tokens_rows_for(blocks, self.L), _stop_announced(nb))
+        self._launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end),
+                     rows=_total(_where(grows, rows, 0)), announced=_total(_where(grows, announced, 0)),
+                     # The rest only raise their history: per life cycle at
+                     # most the blocks that many tokens make stale.
+                     span=_total(_where(grows, blocks, count // T + 2)),
+                     allocated=2 * _total(some), tokens=flat, tokens_off=_offsets(count) if is_batch(count) else None)
+
+    def _close(self, slots, evict_first, caches):
+        """``close(evict_first)`` of caches not closed yet (``caches``: the
+        KVCache of each slot, which leaves the open set)."""
+        (nb,) = self._scalars(slots, Q_NUM_BLOCKS)
+        self._launch(None, slots, SEQ_CLOSE, (evict_first,), rows=_STOP_ROWS * _count(slots),
+                     announced=_total(_stop_announced(nb)), span=_total(nb), closing=caches)
+
+    # -- the launch ---------------------------------------------------------------------------
+    def _launch(self, naming, slots, op, args=(), *, segment=None, priorities=None, rows=0, announced=0, span=0,
+                allocated=0, tokens=None, tokens_off=None, path=None, path_off=None, closing=None):
+        """One launch of ``op`` (or ``op[i]``) on ``slots`` with kernel
+        arguments ``args``, after making room for it, the one place that does:
+
+        ``segment``: block rows each cache's segment needs; ``priorities``:
+        the ordinals each may create pages for (its callback is asked first of
+        all, so a raising callback or a bad value changes nothing); ``rows``:
+        free block rows the tree may take; ``announced``: change-log token
+        rows (blocks announced); ``span``: the blocks of theirs the calls may
+        touch, in all, and ``allocated``: the GPU pages they may allocate per
+        life cycle (each may evict a victim), which with each cache's scratch
+        size the change log (not the caches' whole segments: a decode step
+        touches a block or two of each, and sizing the log for every segment
+        made it grow with the batch's total length). ``tokens`` / ``path``:
+        the kernel's input (``CachePool.launch``); ``closing``: the caches
+        that close, leaving the open set."""
+        pool = self.pool
+        asked = () if priorities is None else self._ask_priorities(naming, slots, priorities)
+        if segment is not None:
+            pool.reserve(slots, segment)
+        for slot, values in asked:
+            pool.store_priorities(slot, values)
+        tables = self.tables
+        if rows:
+            tables.ensure_free_blocks(rows)
+        if announced:
+            tables.ensure_log_tokens(announced)
+        tables.ensure_log(span + _count(slots) * (pool.scratch_width + 8) + allocated)
+        pool.set_args(slots, args)
+        open_caches = self.open_caches
+
+        def results():  # idempotent: run again when the aftermath is resumed
+            pool.refresh(slots)
+            if closing is not None:
+                # Only the caches the kernel closed: a launch cut short before
+                # its kernel ran (an interrupt) leaves them open.
+                closed = np.atleast_1d(pool.host_scalars[slots, Q_STATUS] == CLOSED).tolist()
+                caches = closing if is_batch(slots) else (closing,)
+                open_caches.difference_update([kv for kv, c in zip(caches, closed) if c])
+                pool.forget_callbacks(slots)
+
+        pool.launch(self.launcher, slots, op, tokens, tokens_off, path, path_off, results=results)
+
+    def _ask_priorities(self, naming, slots, blocks) -> list:
+        """``[(slot, rows)]``: the callbacks' page priorities for the ordinals
+        from those known up to ``blocks``, checked, written nowhere yet."""
+        pool = self.pool
+        want = blocks > pool.priorities_known[slots]
+        if not _any(want):  # only caches with a callback are ever short
+            return []
+        picked = np.flatnonzero(want).tolist() if is_batch(want) else [0]
+        asked = []
+        for i in picked:
+            s = int(_at(slots, i))
+            rows = self._priorities(pool.callbacks[s], int(pool.priorities_known[s]), int(_at(blocks, i)),
+                                    naming.where(i))
+            asked.append((s, rows))
+        return asked
+
+    def _priorities(self, callback, known: int, blocks: int, where: str) -> np.ndarray:
+        """``callback``'s priorities for ordinals ``known..blocks - 1``, int64
+        ``[n, max(L, 1)]``; ``where`` starts the error messages."""
+        L = self.L
+        rows = np.full((blocks - known, max(L, 1)), DEFAULT_PRIORITY, dtype=np.int64)
+        for i, o in enumerate(range(known, blocks)):  # the callback is per (ordinal, life cycle) by contract
+            for lc in range(L):
+                try:
+                    v = callback(o, lc)
+                except BusyError:
+                    raise  # the callback called back into the manager: say so, unwrapped
+                except Exception as e:
+                    raise ValueError(f"{where}priority_callback({o}, {lc}) raised {type(e).__name__}: {e}") from e
+                rows[i, lc] = check_priority(v, f"{where}priority_callback({o}, {lc})")
+        return rows
+
+    # -- a batched call's input -------------------------------------------------------------
     def slots(self, caches, what: str) -> np.ndarray:
         """The pool slots of ``caches``: a list of this manager's caches, each once."""
         if isinstance(caches, (str, bytes)) or not hasattr(caches, "__len__"):
@@ -83,8 +612,6 @@ class BatchCalls:
             slots = np.fromiter(map(_slot_of, caches), dtype=np.int64, count=n)
             serials = np.fromiter(map(_serial_of, caches), dtype=np.int64, count=n)
         except (AttributeError, TypeError):
-            from .cache import KVCache
-
             i = next(i for i, kv in enumerate(caches) if not isinstance(kv, KVCache))
             raise TypeError(f"{what}: caches[{i}] is not a KVCache, got {type(caches[i]).__name__}") from None
         ours = (slots >= 0) & (slots < pool.serial.shape[0])
@@ -100,15 +627,6 @@ class BatchCalls:
                 first, again = sorted((int(order[k]), int(order[k + 1])))
                 raise ValueError(f"{what}: caches[{again}] is caches[{first}] again; list each cache once")
         return slots
-
-    def require(self, slots, status: int, what: str):
-        got = self.pool.host_scalars[slots, Q_STATUS]
-        bad = got != status
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise LogicError(
-                f"{what}: caches[{i}] is {_STATUS_NAMES[int(got[i])]}; the call needs {_STATUS_NAMES[status]} KV caches"
-            )
 
     @staticmethod
     def ints(values, n: int, name: str, what: str) -> np.ndarray:
@@ -144,152 +662,6 @@ class BatchCalls:
             raise TypeError(f"{what}: {name}[{i}] must be a bool, got {values[i]!r}")
         return a.reshape(n)
 
-    # -- shared steps -------------------------------------------------------------------
-    def fill_priorities(self, caches, slots, blocks):
-        """Page priorities from the caches' callbacks for the ordinals the call
-        may create pages for, all asked before any is written (so a raising
-        callback or a bad value changes nothing)."""
-        want = blocks > self.pool.priorities_known[slots]
-        if not want.any():
-            return
-        # Only caches with a callback are ever short.
-        asked = [(caches[i], caches[i]._asked_priorities(int(blocks[i]), f"caches[{i}]: "))
-                 for i in np.flatnonzero(want).tolist()]
-        for kv, rows in asked:
-            kv._store_priorities(rows)
-
-    def set_args(self, slots, *columns):
-        """The kernel arguments of each slot (columns of per-cache values; the rest 0)."""
-        a = np.zeros((len(slots), self.pool.arrays.args.shape[1]), dtype=np.int64)
-        for c, v in enumerate(columns):
-            a[:, c] = v
-        b = self.backend
-        self.pool.arrays.args[b.to_device(slots)] = b.to_device(a)
-
-    def launch(self, slots, ops, span: int, *, need=0, tokens=None, tokens_off=None, path=None, path_off=None,
-               closing=None):
-        """One launch over ``slots``; the change log gets room for ``span``
-        (the blocks of theirs the calls may touch, in all), ``need`` (GPU
-        pages all of them may allocate per life cycle, each of which may
-        evict a victim) and each cache's scratch. Not the caches' whole
-        segments: a decode step over a large batch touches a block or two of
-        each, and sizing the log for every segment made it grow with the
-        batch's total length."""
-        pool = self.pool
-        k = pool.scratch_width
-        self.tables.ensure_log(int(span) + len(slots) * (k + 8) + need)
-        open_caches = self.ctx.open_caches
-
-        def results():
-            pool.refresh(slots)
-            if closing is not None:
-                open_caches.difference_update(closing)
-
-        pool.launch(self.launcher, slots, ops, tokens, tokens_off, path, path_off, results=results)
-
-    # -- calls --------------------------------------------------------------------------
-    def resize(self, caches, capacities, history_lengths=None) -> np.ndarray:
-        what = "resize_batch()"
-        slots = self.slots(caches, what)
-        n = len(slots)
-        if n == 1 and _one_each(capacities, history_lengths):  # an admission chunk: the per-cache call
-            h = None if history_lengths is None else history_lengths[0]
-            return np.array([_as_entry(what, lambda: _per_cache(caches[0].resize)(caches[0], capacities[0], h))])
-        self.require(slots, ACTIVE, what)
-        S = self.pool.host_scalars
-        old_cap, old_hist = S[slots, Q_CAPACITY], S[slots, Q_HISTORY]
-        cap = self.ints(capacities, n, "capacities", what)
-        hist = old_hist.copy() if history_lengths is None else self.ints(history_lengths, n, "history_lengths", what)
-        _first(hist < old_hist, lambda i: ValueError(
-            f"{what}: caches[{i}]: history_length cannot decrease ({hist[i]} < {old_hist[i]})"))
-        _first(cap < hist, lambda i: ValueError(f"{what}: caches[{i}]: capacity {cap[i]} is below history_length {hist[i]}"))
-        scratch = self.config.swa_scratch_reuse
-        if scratch is not None:
-            change = cap != old_cap
-            _first(change & ~((old_cap - scratch.max_rewind_len <= hist) & (hist <= old_cap)), lambda i: ValueError(
-                f"{what}: caches[{i}]: with swa_scratch_reuse a capacity change needs capacity - max_rewind_len <= "
-                f"history_length <= capacity (the old capacity {old_cap[i]}), got history_length {hist[i]}"))
-            held = self.backend.to_host(self.pool.arrays.scratch_count[self.backend.to_device(slots)]).any(axis=1)
-            _first((cap < old_cap) & held, lambda i: ValueError(
-                f"{what}: caches[{i}]: cannot shrink the capacity while scratch slots are held (suspend first)"))
-        blocks = -(-cap // self.T)
-        have = S[slots, Q_NUM_BLOCKS]
-        ok = np.broadcast_to(pools_can_hold(self.pool.hold_rules, self.T, have, blocks, hist), (n,))
-        out = np.zeros(n, dtype=bool)
-        go = np.flatnonzero(ok)
-        if not go.size:
-            return out
-        slots_go = slots[go]
-        picked = caches if go.size == n else [caches[i] for i in go.tolist()]
-        self.pool.reserve(slots_go, blocks[go])
-        self.fill_priorities(picked, slots_go, blocks[go])
-        self.set_args(slots_go, cap[go], hist[go])
-        new = np.maximum(0, blocks[go] - have[go])
-        need = int(new.sum()) + go.size * (self.pool.scratch_width + 1)
-        span = np.maximum(have[go], blocks[go]).sum()  # the old blocks (stale ones, a shrink) and the new
-        self.launch(slots_go, np.full(go.size, SEQ_RESIZE, dtype=np.int64), span, need=need)
-        out[go] = S[slots_go, Q_RESULT] != 0
-        return out
-
-    def commit(self, caches, tokens, is_end=False) -> None:
-        what = "commit_batch()"
-        slots = self.slots(caches, what)
-        n = len(slots)
-        if n == 1 and type(tokens) is list and len(tokens) == 1 and isinstance(is_end, (bool, np.bool_)):
-            kv = caches[0]  # an admission chunk: the per-cache call
-            _as_entry(what, lambda: _per_cache(kv.commit)(kv, tokens[0], bool(is_end)))
-            return
-        self.require(slots, ACTIVE, what)
-        end = self.flags(is_end, n, "is_end", what)
-        flat, offsets, digests = self._tokens(tokens, n, what)
-        count = offsets[1:] - offsets[:-1]
-        S = self.pool.host_scalars
-        n0 = S[slots, Q_COMMITTED]
-        n1 = n0 + count
-        some = count > 0
-        _first(some & (S[slots, Q_COMMIT_STATE] == USER_STOP), lambda i: LogicError(
-            f"{what}: caches[{i}]: cannot commit tokens after stop_committing()"))
-        cap = S[slots, Q_CAPACITY]
-        _first(some & (n1 > cap), lambda i: ValueError(
-            f"{what}: caches[{i}]: committing {count[i]} tokens would pass the capacity ({n1[i]} > {cap[i]})"))
-        if self.config.commit_min_snapshot:
-            h = S[slots, Q_HISTORY]
-            _first(some & (h != n0) & (h != n1), lambda i: ValueError(
-                f"{what}: caches[{i}]: commit_min_snapshot: history_length ({h[i]}) must equal the committed length "
-                f"before ({n0[i]}) or after ({n1[i]}) the commit of {count[i]} tokens"))
-        if digests is not None:
-            flat, offsets, _ = self._tokens(digests, n, what, intern=True)
-        run = some | end
-        if not run.any():
-            return
-        go = np.flatnonzero(run)
-        slots_go = slots[go]
-        ops = np.where(some[go], SEQ_COMMIT, SEQ_STOP).astype(np.int64)
-        self.set_args(slots_go, n0[go], count[go], end[go].astype(np.int64))
-        blocks = np.where(some[go], -(-n1[go] // self.T), S[slots_go, Q_NUM_BLOCKS])
-        L = self.L
-        commits = int(some.sum())
-        # Only a commit that completes a block, snapshots a partial one or
-        # ends the sequence adds to the tree; for those, as the per-cache
-        # calls: a commit's new blocks and a re-attached chain (the whole
-        # committed chain, in case it was detached meanwhile), announcements
-        # per life cycle; a stop's pending tail. Most decode commits complete
-        # no block and need nothing: counting their chains too made the
-        # first decode step of a large batch double the block table and
-        # grow the change log's tokens forty-fold.
-        T = self.T
-        grows = (n1[go] // T > S[slots_go, Q_COMMITTED_BLOCKS]) | end[go]
-        if self.config.commit_min_snapshot:
-            grows |= n1[go] % T != 0
-        k = int(grows.sum())
-        self.tables.ensure_free_blocks(int(blocks[grows].sum()) + 2 * k)
-        self.tables.ensure_log_tokens(int(np.where(some[go], (L + 2) * blocks, 2 * blocks)[grows].sum()) + 2 * k)
-        tokens_off = offsets if go.size == n else np.append(offsets[go], offsets[-1])
-        # The rest only raise their history: per life cycle at most the
-        # blocks that many tokens make stale.
-        span = np.where(grows, blocks, count[go] // T + 2).sum()
-        self.launch(slots_go, ops, span, need=2 * commits, tokens=flat, tokens_off=tokens_off)
-
     def _tokens(self, tokens, n: int, what: str, intern: bool = False):
         """``(flat int32 tokens, int64 offsets of n + 1, digests)``; ``digests``
         is the input to convert again with digests interned (None: none)."""
@@ -304,115 +676,8 @@ class BatchCalls:
         if len(tokens) != n:
             raise ValueError(f"{what}: tokens has {len(tokens)} entries for {n} caches")
         flat, offsets = flatten(tokens, t.intern_digest if intern else t.lookup_digest)
-        has_digests = not intern and flat.size and int(flat.min()) < 0
+        has_digests = not intern and _holds_digests(flat)
         return flat, offsets, tokens if has_digests else None
-
-    def close(self, caches, evict_first=False) -> None:
-        what = "close_batch()"
-        slots = self.slots(caches, what)
-        n = len(slots)
-        first = self.flags(evict_first, n, "evict_first", what)
-        S = self.pool.host_scalars
-        go = np.flatnonzero(S[slots, Q_STATUS] != CLOSED)  # closing twice is a no-op
-        if not go.size:
-            return
-        slots_go = slots[go]
-        picked = caches if go.size == n else [caches[i] for i in go.tolist()]
-        self.set_args(slots_go, first[go].astype(np.int64))
-        nb = S[slots_go, Q_NUM_BLOCKS]
-        self.tables.ensure_free_blocks(2 * go.size)
-        self.tables.ensure_log_tokens(int(2 * nb.sum()) + 2 * go.size)
-        self.launch(slots_go, np.full(go.size, SEQ_CLOSE, dtype=np.int64), nb.sum(), closing=picked)
-
-    def resume(self, caches) -> np.ndarray:
-        what = "resume_batch()"
-        slots = self.slots(caches, what)
-        self.require(slots, SUSPENDED, what)
-        n = len(slots)
-        if not n:
-            return np.zeros(0, dtype=bool)
-        S = self.pool.host_scalars
-        blocks = S[slots, Q_NUM_BLOCKS].copy()
-        self.fill_priorities(caches, slots, blocks)
-        self.launch(slots, np.full(n, SEQ_RESUME, dtype=np.int64), blocks.sum(), need=int(blocks.sum()) + 2 * n)
-        return S[slots, Q_RESULT] != 0
-
-    # -- admission ----------------------------------------------------------------------
-    def create(self, requests, scopes=None, priority_callbacks=None) -> list:
-        """New SUSPENDED caches, each holding what ``create_kv_cache`` would:
-        one match launch for all, then one launch holding their reused pages."""
-        from .cache import KVCache
-
-        what = "create_kv_caches()"
-        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
-            raise TypeError(f"{what}: requests must be a list of token sequences")
-        n = len(requests)
-        callbacks = [None] * n if priority_callbacks is None else list(priority_callbacks)
-        if len(callbacks) != n:
-            raise ValueError(f"{what}: priority_callbacks has {len(callbacks)} entries for {n} requests")
-        for i, cb in enumerate(callbacks):
-            if cb is not None and not callable(cb):
-                raise TypeError(f"{what}: priority_callbacks[{i}] must be callable(ordinal, life_cycle_id) -> int, got {cb!r}")
-        scope_list = self._scope_list(scopes, n, what)
-        matcher = self.ctx.matcher
-        b = self.backend
-        queries, arrays = [], []
-        for i, r in enumerate(requests):  # one conversion per request, as create_kv_cache does
-            if type(r) is TokenSequence:
-                matcher._check_sequence(i, r)
-                a = np.asarray(b.to_host(r.tokens))
-                queries.append(r)
-            else:
-                a = token_array(r, self.tables.lookup_digest, request=i)
-                queries.append(ValidTokens(a))
-            arrays.append(a)
-        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=n)
-        if not n:
-            return []
-        m = matcher.match(queries, as_scope(scopes) if _one_scope(scopes) else scope_list).to_host()
-        tree = self.ctx.tree
-        sids = np.empty(n, dtype=np.int64)
-        keys = np.empty(n, dtype=np.int64)
-        digests = np.empty((n, 4), dtype=np.int64)
-        known = {}
-        for i, s in enumerate(scope_list):  # the distinct scopes, once each
-            k = id(s)
-            if k not in known:
-                sid = tree.scope_id(s, create=True)
-                known[k] = (sid, tree.scope_key(sid), digest_to_int64x4(tree.scope_digest(sid)))
-            sids[i], keys[i], digests[i] = known[k]
-        matched = np.asarray(m.num_tokens, dtype=np.int64)
-        nblocks = np.diff(np.asarray(m.block_offsets, dtype=np.int64))
-        slots = self.pool.allocate(n, sids, keys, digests, nblocks)
-        caches = [KVCache._adopt(self.ctx, int(s), cb) for s, cb in zip(slots.tolist(), callbacks)]
-        mgr = self.ctx.manager
-        for kv in caches:
-            mgr._caches.add(kv)
-        open_caches = self.ctx.open_caches
-        try:
-            open_caches.update(caches)
-            go = np.flatnonzero(matched > 0)
-            if go.size:
-                starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-                flat_all = np.concatenate(arrays).astype(np.int32, copy=False)
-                flat = flat_all[ranges(starts[go], matched[go])]
-                toff = np.concatenate([[0], np.cumsum(matched[go])]).astype(np.int64)
-                poff = np.concatenate([[0], np.cumsum(nblocks[go])]).astype(np.int64)
-                path = np.asarray(m.block_ids, dtype=np.int64)[ranges(np.asarray(m.block_offsets)[go], nblocks[go])]
-                self.set_args(slots[go], matched[go], nblocks[go])
-                self.launch(slots[go], np.full(go.size, SEQ_SETUP_REUSE, dtype=np.int64), nblocks[go].sum(),
-                            tokens=flat, tokens_off=toff, path=path, path_off=poff)
-            stats = self._stats()
-            has_ssm = self.config.ssm_life_cycle_id is not None
-            for looked, reused in zip(lengths.tolist(), matched.tolist()):
-                stats.record(looked, reused, self.T, has_ssm)
-            return caches
-        except BaseException:
-            try:
-                self.close(caches)
-            except BaseException:
-                pass  # the first exception is the one to report
-            raise
 
     @staticmethod
     def _scope_list(scopes, n: int, what: str) -> list:
@@ -431,33 +696,18 @@ class BatchCalls:
         return out
 
 
-def _per_cache(method):
-    """A cache's public method without its call guard (the batched call holds it)."""
-    return method.__func__.__wrapped__
-
-
-def _one_each(*columns) -> bool:
-    return all(c is None or (type(c) in (list, tuple) or isinstance(c, np.ndarray)) and len(c) == 1 for c in columns)
-
-
-def _as_entry(what: str, call):
-    """``call()``, its errors naming the batch's only entry."""
-    try:
-        return call()
-    except BusyError:
-        raise
-    except (LogicError, ValueError, TypeError) as e:
-        raise type(e)(f"{what}: caches[0]: {e}") from e
+def _holds_digests(tokens: np.ndarray) -> bool:
+    """Whether converted tokens hold digests (negative ids, interned or looked up)."""
+    if tokens.size <= 32:  # a decode step's few: cheaper as Python ints than a NumPy reduction
+        return min(tokens.tolist(), default=0) < 0
+    return int(tokens.min()) < 0
 
 
 def _one_scope(scopes) -> bool:
-    from .core.scope import ReuseScope
-
     return scopes is None or isinstance(scopes, ReuseScope)
 
 
-def _first(bad: np.ndarray, error):
-    """Raise ``error(i)`` for the first entry where ``bad`` holds."""
-    if bad.any():
-        raise error(int(np.argmax(bad)))
-
+def _int(name, v) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    return int(v)

@@ -16,6 +16,10 @@ when they need it. Moves change the arrays, so a cache's views are rebuilt
 when the pool's generation changed. A slot is given back when its cache is
 garbage collected (a closed cache still answers its committed tokens until
 then).
+
+A slot is named by an int (a call on one cache) or an int64 array of them (a
+batched call); every method that takes ``slots`` takes either, so the calls
+(``batch.py``) run the same code for one cache as for many.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import numpy as np
 
 from .core.config import DEFAULT_PRIORITY
 from .core.kinds import has_window, is_checkpoint
-from .core.layout import NULL, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_WIDTH, SEQ_ARGS_WIDTH, TREE_OUT
+from .core.layout import (
+    CLOSED, NULL, Q_COMMITTED, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_STATUS, Q_WIDTH, SEQ_ARGS_WIDTH,
+    TREE_OUT,
+)
 from .kernels.seq import (
     BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, FIRST_COMMIT_OP, SeqPool, SeqTables, build_seq_kernels,
 )
@@ -37,6 +44,11 @@ NO_CALLBACK = np.iinfo(np.int64).max  # priorities_known of a cache without a pr
 FIRST_BLOCKS = 4  # block rows a new cache's segment starts with
 # Block-indexed arrays and the value of a row no cache has written.
 _BLOCK_FILL = {"pages": NULL, "kinds": 0, "tree": NULL, "priority": DEFAULT_PRIORITY, "path": 0}
+
+
+def is_batch(slots) -> bool:
+    """Whether ``slots`` names many caches (an array) or one (an int)."""
+    return type(slots) is np.ndarray
 
 
 def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -63,21 +75,6 @@ def hold_rules(config) -> tuple:
     return tuple(rules)
 
 
-def pools_can_hold(rules, T: int, have, blocks, history):
-    """False (per cache, for arrays) when some life cycle would need more new
-    pages for ``blocks`` blocks than its whole GPU pool has: full attention
-    one per new block past the ``have`` the cache holds, a sliding window one
-    per new block past its stale range at ``history`` (``LifeCycle.stale_range``)."""
-    ok = True
-    for window, sinks, pool in rules:
-        first_new = have
-        if window:
-            start = np.minimum(-(-history // T), sinks)
-            first_new = np.maximum(have, np.maximum(start, (history + 1 - window) // T))
-        ok = ok & (blocks - first_new <= pool)
-    return ok
-
-
 class CachePool:
     def __init__(self, config, backend):
         self.backend = backend
@@ -95,21 +92,26 @@ class CachePool:
         self.serial = np.zeros(0, dtype=np.int64)  # the serial of the slot's cache, -1 when free
         # Ordinals whose page priorities the slot's callback gave (NO_CALLBACK: none to ask).
         self.priorities_known = np.zeros(0, dtype=np.int64)
+        # The priority callback of each slot's cache, until the cache closes
+        # (a callback that refers to its cache would otherwise keep it alive).
+        self.callbacks: list = []
         self._free: list[int] = []  # free slots, a stack
         self._released: list[int] = []  # slots of collected caches (appended from finalizers)
         self.arrays: SeqPool | None = None
         self._synced_seg = None  # the seg the kernels' copy was made from
         xp = backend.xp
         self._work1 = np.zeros((2, BATCH_WIDTH), dtype=np.int64)  # the work list of a per-cache call
+        self._compiled: dict = {}  # kernel -> (tables, pool arrays, compiled code) of its last dispatched launch
         self._no_tokens = xp.zeros(0, dtype=np.int32)
         self._no_path = xp.zeros(0, dtype=np.int64)
         self._grow_slots(16)
         self._pack(64)
 
     # -- slots --------------------------------------------------------------------------
-    def allocate(self, n: int, scope_ids, scope_keys, digests, blocks) -> np.ndarray:
+    def allocate(self, n: int, scope_ids, scope_keys, digests, blocks, callbacks) -> np.ndarray:
         """``n`` fresh slots, SUSPENDED with nothing committed, in the given
-        scopes (``digests``: [n, 4] int64), each with room for ``blocks`` blocks."""
+        scopes (``digests``: [n, 4] int64), each with room for ``blocks``
+        blocks, and the priority callback (or None) of each."""
         self._take_released()
         if len(self._free) < n:
             self._grow_slots(max(2 * self.seg.shape[0], self.seg.shape[0] + n))
@@ -119,7 +121,9 @@ class CachePool:
         self.seg[slots] = 0
         self._synced_seg = None  # changed in place: the kernels' copy is re-made at the next launch
         self.serial[slots] = np.fromiter(itertools.islice(_SERIALS, n), dtype=np.int64, count=n)
-        self.priorities_known[slots] = NO_CALLBACK
+        for s, cb in zip(slots.tolist(), callbacks):
+            self.callbacks[s] = cb
+            self.priorities_known[s] = NO_CALLBACK if cb is None else 0
         rows = np.zeros((n, Q_WIDTH), dtype=np.int64)
         rows[:, Q_SSM_PAGE] = NULL
         rows[:, Q_NEVER_RESUMED] = 1
@@ -152,6 +156,7 @@ class CachePool:
             self.seg[s] = 0
             self._synced_seg = None
             self.serial[s] = -1
+            self.callbacks[s] = None
             self._free.append(s)
 
     def _grow_slots(self, n: int):
@@ -180,6 +185,7 @@ class CachePool:
         serial[:old] = self.serial
         known = np.zeros(n, dtype=np.int64)
         known[:old] = self.priorities_known
+        callbacks = self.callbacks + [None] * (n - old)
         arrays = (self.arrays or SeqPool(**{f: None for f in SeqPool._fields}))._replace(**fresh)
         host = fresh["scalars"]
         if b.on_gpu:
@@ -189,8 +195,8 @@ class CachePool:
         # One step, so an exception anywhere in this method leaves the pool
         # either as it was or grown; ``host_scalars``: the scalars as last read
         # back (the device array itself off the GPU).
-        self.arrays, self.host_scalars, self.seg, self.used, self.serial, self.priorities_known = (
-            arrays, host, seg, used, serial, known)
+        self.arrays, self.host_scalars, self.seg, self.used, self.serial, self.priorities_known, self.callbacks = (
+            arrays, host, seg, used, serial, known, callbacks)
         self._free[:0] = list(range(n - 1, old - 1, -1))  # lowest slots taken first
         self._sync_seg()
         self.gen += 1
@@ -200,11 +206,13 @@ class CachePool:
     def num_rows(self) -> int:
         return 0 if self.arrays.tree is None else int(self.arrays.tree.shape[0])
 
-    def reserve(self, slots: np.ndarray, blocks: np.ndarray) -> None:
+    def reserve(self, slots, blocks) -> None:
         """Room for ``blocks[i]`` blocks in the segment of ``slots[i]``."""
         short = blocks > self.seg[slots, 1]
         if not short.any():
             return
+        if not is_batch(slots):
+            slots, blocks, short = np.array([slots]), np.array([blocks]), np.array([True])
         grow, want = slots[short], blocks[short]
         # Half as much again as asked, and at least double: a cache that was
         # just sized to its prompt then decodes for a while without moving.
@@ -345,22 +353,80 @@ class CachePool:
             scratch_count=A.scratch_count[slot],
         )
 
+    def rows(self, array, slots):
+        """``array[slots]`` of a per-slot device array, on the host."""
+        b = self.backend
+        return b.to_host(array[slots if not is_batch(slots) else b.to_device(slots)])
+
     def refresh(self, slots) -> None:
         """The host copy of ``slots``' scalars, in one transfer (nothing to do
         where the device arrays are host memory)."""
         if self._on_gpu:
-            b = self.backend
-            self.host_scalars[slots] = b.to_host(self.arrays.scalars[b.to_device(np.asarray(slots))])
+            self.host_scalars[slots] = self.rows(self.arrays.scalars, slots)
+
+    def set_args(self, slots, columns) -> None:
+        """The kernel arguments of ``slots``: ``columns`` (an int, or an array
+        per slot, each) first, the rest 0."""
+        b = self.backend
+        args = self.arrays.args
+        if not is_batch(slots):
+            if self._on_gpu:
+                row = np.zeros(args.shape[1], dtype=np.int64)
+                row[:len(columns)] = columns
+                args[slots] = b.to_device(row)
+            else:
+                args[slots] = tuple(columns) + (0,) * (args.shape[1] - len(columns))
+            return
+        a = np.zeros((len(slots), args.shape[1]), dtype=np.int64)
+        for c, v in enumerate(columns):
+            a[:, c] = v
+        args[b.to_device(slots)] = b.to_device(a)
+
+    def store_priorities(self, slot: int, rows: np.ndarray) -> None:
+        """Page priorities for the slot's next ``len(rows)`` ordinals (after
+        those known), as its callback gave them; the segment has room."""
+        known = int(self.priorities_known[slot])
+        base = int(self.seg[slot, 0])
+        self.arrays.priority[base + known:base + known + len(rows)] = self.backend.to_device(rows)
+        self.priorities_known[slot] = known + len(rows)
+
+    def forget_callbacks(self, slots) -> None:
+        """The callbacks of those of ``slots`` whose caches are closed: they
+        are never asked again."""
+        for s in np.atleast_1d(slots).tolist():
+            if self.host_scalars[s, Q_STATUS] == CLOSED:
+                self.callbacks[s] = None
+
+    def committed_tokens(self):
+        """The committed tokens of every slot in use, one array (digest ids
+        among them: ``Tables.digest_references``)."""
+        live = np.flatnonzero(self.used)
+        counts = np.asarray(self.backend.to_host(self.arrays.scalars[self.backend.to_device(live), Q_COMMITTED]))
+        return self.arrays.tokens[self.backend.to_device(ranges(self.seg[live, 0] * self.T, counts))]
+
+    def open_scope_ids(self) -> list:
+        """The scope ids of the caches not closed (they may create blocks in theirs)."""
+        S = self.host_scalars[np.flatnonzero(self.used)]
+        return S[S[:, Q_STATUS] != CLOSED, Q_SCOPE_ID].tolist()
 
     def launch(self, launcher, slots, ops, tokens=None, tokens_off=None, path=None, path_off=None,
                results=None) -> None:
         """One launch of a sequence kernel (the sizing or the commit kernel,
-        as ``ops`` say: never both in one launch): call ``ops[i]`` on slot
-        ``slots[i]``, in order, with its input tokens and matched blocks
-        (``tokens[tokens_off[i]:tokens_off[i + 1]]``, likewise ``path``; None:
-        none). ``results`` as ``Launcher.launch`` takes it."""
+        as ``ops`` say: never both in one launch): call ``ops[i]`` (or ``ops``
+        for all) on slot ``slots[i]``, in order, with its input tokens and
+        matched blocks (``tokens[tokens_off[i]:tokens_off[i + 1]]``, likewise
+        ``path``; None: none; for one slot, all of ``tokens`` and ``path``).
+        ``results`` as ``Launcher.launch`` takes it."""
+        if not is_batch(slots):
+            work = self._work1  # no arrays to build for one cache
+            work[0, BATCH_SLOT] = slots
+            work[0, BATCH_OP] = ops
+            work[1, BATCH_TOKENS] = 0 if tokens is None else len(tokens)
+            work[1, BATCH_PATH] = 0 if path is None else len(path)
+            self._run(launcher, ops >= FIRST_COMMIT_OP, work, tokens, path, results)
+            return
         n = len(slots)
-        ops = np.asarray(ops, dtype=np.int64)
+        ops = np.broadcast_to(np.asarray(ops, dtype=np.int64), (n,))
         commit = bool(n) and bool(ops[0] >= FIRST_COMMIT_OP)
         if n and ((ops >= FIRST_COMMIT_OP) != commit).any():
             raise AssertionError("one launch runs sizing calls or commit calls, never both")
@@ -373,36 +439,55 @@ class CachePool:
             work[:, BATCH_PATH] = path_off
         self._run(launcher, commit, work, tokens, path, results)
 
-    def launch_one(self, launcher, slot: int, op: int, tokens=None, path=None, results=None) -> None:
-        """``launch`` for one cache."""
-        work = self._work1
-        work[0, BATCH_SLOT] = slot
-        work[0, BATCH_OP] = op
-        work[1, BATCH_TOKENS] = 0 if tokens is None else len(tokens)
-        work[1, BATCH_PATH] = 0 if path is None else len(path)
-        self._run(launcher, op >= FIRST_COMMIT_OP, work, tokens, path, results)
-
     def _run(self, launcher, commit: bool, work, tokens, path, results):
         if self._synced_seg is not self.seg:
             self._sync_seg()
         b = self.backend
         kernel = self.kernels.commit if commit else self.kernels.size
+        run = self._compiled_call(launcher, kernel)
         launcher.launch(
-            kernel, self.arrays, b.to_device(work) if self._on_gpu else work,
-            self._no_tokens if tokens is None else self._as_int32(tokens),
-            self._no_path if path is None else self._as_int64(path),
+            run, self.arrays, b.to_device(work) if self._on_gpu else work,
+            self._no_tokens if tokens is None else self._kernel_input(tokens, np.int32),
+            self._no_path if path is None else self._kernel_input(path, np.int64),
             results=results,
         )
+        if run is kernel:
+            self._learn_compiled(launcher, kernel)
 
-    def _as_int64(self, a):
-        """On the device, contiguous int64 (the one signature the kernel is compiled for)."""
-        if type(a) is np.ndarray and a.dtype == np.int64 and not self._on_gpu and a.flags.c_contiguous:
+    # Numba's dispatcher types every argument of every call to find the
+    # compiled code: for the sequence kernels' 41 arrays (the tables and the
+    # pool, two named tuples) that is several µs, more than all the rest of a
+    # per-cache call. Both tuples are rebuilt whenever an array in them is
+    # replaced, and the other arguments are made here with fixed types (the
+    # work list, ``_kernel_input``), so while both are the very objects of
+    # the last dispatched call the dispatcher would pick the same code again:
+    # that code is called directly. The first launch after either changed
+    # goes through the dispatcher and learns anew. The ``cuda`` kernels are
+    # launched by plain functions, which this leaves alone.
+    def _compiled_call(self, launcher, kernel):
+        """What to launch: ``kernel``, or its compiled code while the tables
+        and the pool's arrays are those it last ran on."""
+        known = self._compiled.get(kernel)
+        if known is not None and known[0] is launcher.tables.device and known[1] is self.arrays and not launcher.pending:
+            return known[2]
+        return kernel
+
+    def _learn_compiled(self, launcher, kernel):
+        overloads = getattr(kernel, "overloads", None)  # a Numba dispatcher's: signature -> compiled code
+        if overloads is not None and len(overloads) == 1:
+            (compiled,) = overloads.values()
+            self._compiled[kernel] = (launcher.tables.device, self.arrays, compiled.entry_point)
+
+    def _kernel_input(self, a, dtype):
+        """``a`` (one-dimensional) as the one signature the kernel is compiled
+        for takes it: on the device, contiguous, aligned and writable (Numba
+        types a read-only or unaligned array apart, which would compile the
+        kernel again or, called directly, misread it; the simulator writes
+        its arguments back)."""
+        if type(a) is np.ndarray and a.dtype == dtype and a.ndim == 1 and a.flags.carray and not self._on_gpu:
             return a
         xp = self.backend.xp
-        return xp.ascontiguousarray(xp.asarray(a, dtype=np.int64))
-
-    def _as_int32(self, a):
-        if type(a) is np.ndarray and a.dtype == np.int32 and not self._on_gpu and a.flags.c_contiguous:
-            return a
-        xp = self.backend.xp
-        return xp.ascontiguousarray(xp.asarray(a, dtype=np.int32))
+        out = xp.ascontiguousarray(xp.asarray(a, dtype=dtype))
+        if isinstance(out, np.ndarray) and not out.flags.carray:
+            out = out.copy()
+        return out

@@ -7,15 +7,14 @@ answers reuse queries for whole batches with one kernel launch per stage.
 from __future__ import annotations
 
 import sys
-import weakref
 
 import numpy as np
 
 from . import kernel_cache
 from .arena import TokenArena, TokenSequence
 from .core.backend import get_backend, quiet_simulator
-from .cache import CacheContext, KVCache, KVCacheStatus, LogicError
-from .batch import BatchCalls
+from .cache import CacheContext, KVCache, LogicError
+from .batch import CacheCalls
 from .cache_pool import CachePool
 from .core.config import CacheConfig
 from .core.kinds import has_window
@@ -83,7 +82,6 @@ class KVCacheManager:
         self._matcher = Matcher(self._tables, self._tree, self._arena, config, self._launcher)
         self._pool = CachePool(config, self._backend)
         self._open_caches: set[KVCache] = set()
-        self._caches = weakref.WeakSet()  # every cache still referenced, closed ones too
         # What keeps a digest id or a scope id alive besides the tree itself.
         self._tables.digest_references = self._digest_references
         self._tree.scopes_in_use = self._scopes_in_use
@@ -92,7 +90,8 @@ class KVCacheManager:
             launcher=self._launcher, open_caches=self._open_caches, pool=self._pool,
         )
         self._stats = ReuseStats()
-        self._batch = BatchCalls(self._cache_context, lambda: self._stats)
+        # Every call on caches, for one (KVCache's methods) or a batch.
+        self._calls = CacheCalls(self._cache_context, lambda: self._stats)
         self._eviction_seen = np.zeros(3, dtype=np.int64)
         self._obtainable = (-1, None)  # (launches, Tables.obtainable_pages()) as last read
         kernel_cache.announce(self._backend.target)  # once per process: kernels a first call would compile
@@ -162,38 +161,7 @@ class KVCacheManager:
         ``num_committed_tokens`` is the reused length. ``priority_callback(ordinal,
         life_cycle_id) -> 0..100`` gives the eviction priority of the pages this
         cache creates (default 35; lower values are evicted first)."""
-        scope = as_scope(scope)
-        m = None
-        if input_tokens is not None:
-            if type(input_tokens) is TokenSequence:  # the scheduler's registered request
-                self._matcher._check_sequence(0, input_tokens)
-                tokens = np.array(self._backend.to_host(input_tokens.tokens))
-                query = input_tokens
-            else:
-                # Digests only looked up: a matched prefix holds interned ones
-                # only, and a digest no block holds need not be kept.
-                tokens = token_array(input_tokens, self._tables.lookup_digest)
-                query = ValidTokens(tokens)
-            m = self._matcher.match([query], scope).to_host()
-        kv = KVCache(self._cache_context, scope, priority_callback)
-        self._caches.add(kv)
-        n = 0 if m is None else int(m.num_tokens[0])
-        # From here to the return, an exception (an interrupt included) means
-        # the caller never gets this cache: it must not stay open, holding its
-        # reused pages and keeping shutdown() refused.
-        try:
-            self._open_caches.add(kv)
-            if n:
-                kv._setup_reuse(tokens, n, m.blocks(0))
-            if m is not None:
-                self._stats.record(len(tokens), n, self.tokens_per_block, self.ssm_life_cycle_id is not None)
-            return kv
-        except BaseException:
-            try:
-                kv._close()
-            except BaseException:
-                pass  # the first exception is the one to report
-            raise
+        return self._calls.create_one(input_tokens, scope, priority_callback)
 
     # -- the engine step: many caches per call ---------------------------------------------
     @serialized("mgr.create_kv_caches()")
@@ -204,13 +172,13 @@ class KVCacheManager:
         ``TokenSequence``s; ``scopes``: None, one ``ReuseScope`` or one per
         request; ``priority_callbacks``: None or one (callable or None) per
         request. The caches are SUSPENDED: ``resume_batch`` next."""
-        return self._batch.create(requests, scopes, priority_callbacks)
+        return self._calls.create(requests, scopes, priority_callbacks)
 
     @serialized("mgr.resume_batch()")
     def resume_batch(self, caches) -> np.ndarray:
         """``kv.resume()`` for each SUSPENDED cache, in order, in one launch:
         one bool per cache (False: refused, that cache unchanged)."""
-        return self._batch.resume(caches)
+        return self._calls.resume(caches)
 
     @serialized("mgr.resize_batch()")
     def resize_batch(self, caches, capacities, history_lengths=None) -> np.ndarray:
@@ -218,7 +186,7 @@ class KVCacheManager:
         cache, in order, in one launch: one bool per cache (False: refused,
         that cache unchanged, the rest proceed). ``history_lengths`` None
         keeps each cache's history."""
-        return self._batch.resize(caches, capacities, history_lengths)
+        return self._calls.resize(caches, capacities, history_lengths)
 
     @serialized("mgr.commit_batch()")
     def commit_batch(self, caches, tokens, is_end=False) -> None:
@@ -226,14 +194,14 @@ class KVCacheManager:
         in one launch. ``tokens``: one token sequence per cache, or a pair
         ``(flat_tokens, offsets)`` with offsets of length len(caches) + 1
         (device arrays accepted on ``cuda``); ``is_end``: a bool or one per cache."""
-        self._batch.commit(caches, tokens, is_end)
+        self._calls.commit(caches, tokens, is_end)
 
     @serialized("mgr.close_batch()")
     def close_batch(self, caches, evict_first=False) -> None:
         """``kv.close(evict_first)`` for each cache, in order, in one launch
         (closed ones are skipped, as closing twice is a no-op); ``evict_first``:
         a bool or one per cache."""
-        self._batch.close(caches, evict_first)
+        self._calls.close(caches, evict_first)
 
     def _digest_references(self):
         """Token arrays that may hold interned digest ids: the arena's, and the
@@ -241,12 +209,11 @@ class KVCacheManager:
         still be asked for them)."""
         arena = self._arena
         yield arena.tokens[: arena.top_blocks * arena.T]
-        for kv in list(self._caches):
-            yield kv._q.tokens[: kv.num_committed_tokens]
+        yield self._pool.committed_tokens()
 
     def _scopes_in_use(self):
         """Scope ids that caches still refer to (open ones create blocks in it)."""
-        return [kv.scope_id for kv in list(self._caches) if kv.status is not KVCacheStatus.CLOSED]
+        return self._pool.open_scope_ids()
 
     @serialized("mgr.get_and_reset_reuse_stats()")
     def get_and_reset_reuse_stats(self) -> dict:

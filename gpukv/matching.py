@@ -103,11 +103,11 @@ class Matcher:
 
     def _tokens_of(self, i, r):
         if type(r) is TokenSequence:
-            self._check_sequence(i, r)  # validated on extend; digests are interned ids
+            self.check_sequence(i, r)  # validated on extend; digests are interned ids
             return ValidTokens(np.asarray(self.backend.to_host(r.tokens)))
         return self.backend.to_host(r) if hasattr(r, "__cuda_array_interface__") else r
 
-    def _check_sequence(self, i, s):
+    def check_sequence(self, i, s):
         if s._arena is not self.arena:
             raise ValueError(f"request {i}: TokenSequence belongs to another manager")
         if s.released:
@@ -128,7 +128,7 @@ class Matcher:
 
     def _registered(self, seqs):
         for i, s in enumerate(seqs):
-            self._check_sequence(i, s)
+            self.check_sequence(i, s)
         slots = np.fromiter((s._slot for s in seqs), dtype=np.int64, count=len(seqs))
         a = self.arena
         hashed = a.hashed[slots]  # a copy: prepare() counts the blocks as hashed before they are

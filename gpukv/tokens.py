@@ -60,12 +60,27 @@ def _check_container(tokens, request):
         raise TypeError(f"{_where(request)}tokens must be a sequence of ints, got {type(tokens).__name__}")
 
 
+# A list this short (a decode step's tokens) is converted by NumPy after
+# C-level checks over the list itself: the fixed cost of the general path's
+# array operations is several times that of the conversion.
+_SHORT_LIST = 32
+_PLAIN_INTS = frozenset({int})
+
+
 def token_array(tokens, intern: Callable[[bytes], int], request: int | None = None) -> np.ndarray:
     """One sequence as a validated int32 array (digests interned)."""
     if type(tokens) is ValidTokens:
         return tokens.array
     if isinstance(tokens, np.ndarray):
         return _from_ndarray(tokens, request)
+    if type(tokens) is list and len(tokens) <= _SHORT_LIST and _PLAIN_INTS.issuperset(map(type, tokens)):
+        # Python ints only (no bools, digests or other types); what is out
+        # of range takes the general path, which names it.
+        if not tokens or min(tokens) >= 0:
+            try:
+                return np.array(tokens, dtype=np.int32)
+            except OverflowError:
+                pass
     _check_container(tokens, request)
     out = np.empty(len(tokens), dtype=np.int32)
     try:

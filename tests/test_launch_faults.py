@@ -184,7 +184,8 @@ def test_a_cache_closed_in_a_launch_cut_short_leaves_the_open_set():
     mgr, engine = rig()
     kv = mgr.create_kv_cache()
     assert kv.resume()
-    kv._after_launch = RaiseOnce(kv._after_launch, times=2)
+    pool = mgr._pool  # the launch's results step reads the caches' scalars first, then updates the open set
+    pool.refresh = RaiseOnce(pool.refresh, times=2)
     with pytest.raises(KeyboardInterrupt):
         kv.close()
     mgr.shutdown()  # finishes the aftermath first: the cache is CLOSED, nothing is open
