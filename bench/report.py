@@ -17,6 +17,9 @@ Prints (as Markdown), for whichever suites the run contains:
   of the baseline per batch size and per tree size, with the speedup;
 * ``test_commit.py``: committed tokens/s for prefill chunks and decode steps,
   gpukv per model and the Python baseline;
+* ``test_call.py``: µs per single per-cache call (a resize by one block, a
+  commit of a token and of a block) on a manager with running caches, beside
+  a Python dict update;
 * ``test_step.py``: the serving step side by side with vLLM and SGLang, per
   batch size: µs per running sequence per decode step (roomy and evicting
   pools) and admission prompt tokens/s per system, as median (min-max) over
@@ -54,7 +57,7 @@ def load(path: str, stat: str) -> dict:
     ``commit``: the other suites' (time, extra_info) pairs."""
     with open(path) as f:
         data = json.load(f)
-    out, sweep, commit, evict, step = {}, [], [], [], []
+    out, sweep, commit, evict, step, call = {}, [], [], [], [], []
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
         t = float(b["stats"][stat])
@@ -67,9 +70,11 @@ def load(path: str, stat: str) -> dict:
             commit.append((t, info))
         elif suite == "evict":
             evict.append((t, info))
+        elif suite == "call":
+            call.append((t, info))
         elif "case" in info:
             out[(info["case"], int(info["batch"]))] = (t, info)
-    return {"results": out, "sweep": sweep, "commit": commit, "evict": evict, "step": step,
+    return {"results": out, "sweep": sweep, "commit": commit, "evict": evict, "step": step, "call": call,
             "machine": data.get("machine_info", {}),
             "when": data.get("datetime", "")}
 
@@ -87,7 +92,7 @@ def dur(t: float) -> str:
 
 def report(path: str, stat: str = "median", out=sys.stdout):
     d = load(path, stat)
-    if not (d["results"] or d["sweep"] or d["commit"] or d["evict"] or d["step"]):
+    if not (d["results"] or d["sweep"] or d["commit"] or d["evict"] or d["step"] or d["call"]):
         raise SystemExit(f"{path}: no benchmarks of bench/ (extra_info without 'case' or 'suite')")
     m = d["machine"]
     infos = [i for _, i in d["results"].values()] + [i for _, i in d["sweep"]]
@@ -105,6 +110,8 @@ def report(path: str, stat: str = "median", out=sys.stdout):
         report_evict(d["evict"], out)
     if d["step"]:
         report_step(d["step"], out)
+    if d["call"]:
+        report_call(d["call"], out)
 
 
 def report_match(d: dict, out):
@@ -217,6 +224,20 @@ def report_commit(rows: list, out):
                 else "decode, 1 token per step")
         cells = [_cell(got[c][0], got[c][1]["tokens"]) if c in got else "-" for c in cols]
         print(f"| {what} ({first['requests']} requests) | " + " | ".join(cells) + " |", file=out)
+    print(file=out)
+
+
+CALLS = ("resize", "commit token", "commit block", "dict update")
+
+
+def report_call(rows: list, out):
+    got = {info["call"]: (t, info) for t, info in rows}
+    caches = next(iter(got.values()))[1]["caches"]
+    print(f"One per-cache call on a manager with {caches} running caches, µs per call:\n", file=out)
+    print("| call | µs |", file=out)
+    print("|---|---:|", file=out)
+    for c in sorted(got, key=lambda c: CALLS.index(c) if c in CALLS else len(CALLS)):
+        print(f"| {c} | {_us(got[c][0] * 1e6)} |", file=out)
     print(file=out)
 
 
