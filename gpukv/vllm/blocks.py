@@ -48,6 +48,11 @@ def ids_of_pages(pages: np.ndarray) -> list[int]:
     return (np.asarray(pages, dtype=np.int64) + 1).tolist()
 
 
+def pages_of_ids(ids: list[int]) -> np.ndarray:
+    """gpukv page indices of vLLM block ids (the inverse of ``ids_of_pages``)."""
+    return np.asarray(ids, dtype=np.int64) - 1
+
+
 @cache
 def kv_cache_blocks_types():
     """``(PendingBlocks, HitBlocks)``, subclasses of vLLM's ``KVCacheBlocks``

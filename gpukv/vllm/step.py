@@ -41,7 +41,7 @@ from itertools import chain
 
 import numpy as np
 
-from .blocks import BlockIds
+from .blocks import BlockIds, ids_of_pages, pages_of_ids
 from .index_reads import free_pages
 
 
@@ -233,7 +233,7 @@ class StepCalls:
         pages = s.kv.page_indices(0)[have:s.num_blocks].astype(np.int64)
         if not len(pages):
             return
-        ids = (pages + 1).tolist()
+        ids = ids_of_pages(pages)
         s.blocks.extend(self._ids.of_pages(pages))
         s.ids.extend(ids)
         new = pages[first_new - have:]
@@ -252,7 +252,7 @@ class StepCalls:
             raise RuntimeError("gpukv decided a host-tier copy, but the adapter configures no host tier")
         self.copies.extend(
             KVCacheBlockCopy(src_block_id=s, dst_block_id=d)
-            for s, d in zip((copies.src_index + 1).tolist(), (copies.dst_index + 1).tolist())
+            for s, d in zip(ids_of_pages(copies.src_index), ids_of_pages(copies.dst_index))
         )
 
     def _issue_commits(self) -> None:
@@ -279,7 +279,7 @@ class StepCalls:
                     self._cached_blocks[s.request.request_id] = stop
                 pages = None
                 if self._events is not None or self.fresh is not None:
-                    pages = np.asarray(s.ids[first:stop], dtype=np.int64) - 1
+                    pages = pages_of_ids(s.ids[first:stop])
                 if self._events is not None:
                     self._events.stored(s.request, first, stop, pages)
                 if self.fresh is not None:
