@@ -13,7 +13,9 @@ benchmark drive.
   deterministic next token.
 
 Everything here is the public surface of vLLM 0.33 (config classes,
-``Scheduler``, ``SchedulerOutput``, ``ModelRunnerOutput``).
+``Scheduler``, ``SchedulerOutput``, ``ModelRunnerOutput``). On a machine
+without a GPU, set ``VLLM_TARGET_DEVICE=cpu`` before vLLM is first imported
+(vLLM infers no device otherwise); the adapter's tests and benchmark do.
 """
 
 from __future__ import annotations
