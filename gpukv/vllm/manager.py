@@ -84,7 +84,6 @@ class GpukvKVCacheManager:
             enable_kv_cache_events, dcp_world_size, pcp_world_size, metrics_collector, watermark,
             enable_mamba_shared_prefix_checkpoint, partial_reuse,
         )
-        self._cfg = cfg
         self._T = cfg.block_size
         self._gk = gpukv.KVCacheManager(gpukv_config(cfg, backend))
         self._PendingBlocks, self._HitBlocks = kv_cache_blocks_types()
@@ -182,7 +181,7 @@ class GpukvKVCacheManager:
         if self._step.dirty and self._step.affects(request):
             self._flush()  # the tree as vLLM's cache is now, where it matters to this request
         T = self._T
-        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else min(max_cache_hit_length, request.num_tokens)
         if not self.partial_reuse:
             # vLLM looks up hashed full blocks only.
             limit = min(limit, len(request.block_hashes) * T) // T * T
