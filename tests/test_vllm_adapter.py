@@ -17,6 +17,7 @@ is not installed, unless ``GPUKV_REQUIRE_VLLM=1`` (CI), which makes that an erro
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -27,11 +28,13 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM infers no device on a CPU-only machine
 try:
-    import vllm  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the environment
+    # The distribution, not `import vllm`: tests/vllm/ would import as a namespace package.
+    importlib.metadata.version("vllm")
+except importlib.metadata.PackageNotFoundError:  # pragma: no cover - depends on the environment
     if os.environ.get("GPUKV_REQUIRE_VLLM") == "1":
-        raise
-    pytest.skip(f"vllm is not installed ({e}); GPUKV_REQUIRE_VLLM=1 makes this an error", allow_module_level=True)
+        raise RuntimeError("GPUKV_REQUIRE_VLLM=1 but vllm is not installed (bash tests/vllm/install.sh)") from None
+    pytest.skip("vllm is not installed (bash tests/vllm/install.sh); GPUKV_REQUIRE_VLLM=1 makes this an error",
+                allow_module_level=True)
 
 import torch  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
