@@ -141,3 +141,33 @@ def test_sigterm_during_a_cold_compile_takes_the_workers_with_it(tmp_path):
         proc.kill()
         for pid in _compile_workers(tmp_path):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_copy_of_the_same_sources_loads_what_the_first_compiled(tmp_path):
+    """Another checkout, virtual environment or wheel install (another path,
+    other modification times) of the same sources compiles nothing again."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    code = """
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        import gpukv
+        from gpukv import compile as jobs, kernel_cache
+        print("from:", gpukv.__file__)
+        jobs.run_job(gpukv.CacheConfig(backend="cpu", tokens_per_block=4), "match")
+        print("missing:", kernel_cache.missing("cpu"))
+    """
+    first = run_cold(code, cache)
+    assert first.returncode == 0, first.stderr
+    assert "compiling the match kernel" in first.stderr
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(os.path.join(ROOT, "gpukv"), copy / "gpukv", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, GPUKV_CACHE_DIR=str(cache), PYTHONPATH=str(copy), GPUKV_BACKEND="cpu")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    second = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                            timeout=600, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert f"from: {copy / 'gpukv'}" in second.stdout
+    assert "compiling the" not in second.stderr, second.stderr
+    assert second.stdout.strip().endswith("missing: ['tree', 'seq', 'commit']"), second.stdout

@@ -54,9 +54,10 @@ def _kernel_source_digest() -> str:
 # scoped to gpukv's own kernel sources: a locator consulted before Numba's
 # own sends only functions defined under this package here, so the engine's
 # Numba caches (NUMBA_CACHE_DIR or its defaults) stay where they were.
+_SOURCE_DIGEST = _kernel_source_digest()
 CACHE_DIR = os.path.join(
     os.environ.get("GPUKV_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "gpukv-numba")),
-    _kernel_source_digest(),
+    _SOURCE_DIGEST,
 )
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,6 +81,19 @@ def _install_cache_locator():
             if not os.path.abspath(py_file).startswith(_PACKAGE_DIR + os.sep):
                 return None
             return super(caching.UserProvidedCacheLocator, cls).from_function(py_func, py_file)
+
+        # Numba keys a cached kernel on its file's path and modification
+        # time, so a second checkout, virtual environment or wheel install of
+        # the same sources would compile everything again. The folder is
+        # already one per digest of the sources: within it, a file is named
+        # by its place in the package and is fresh while the digest is.
+        def get_source_stamp(self):
+            return _SOURCE_DIGEST
+
+        @classmethod
+        def get_suitable_cache_subpath(cls, py_file):
+            folder = os.path.relpath(os.path.dirname(os.path.abspath(py_file)), _PACKAGE_DIR)
+            return "gpukv" if folder == "." else "gpukv_" + folder.replace(os.sep, "_")
 
     caching.CacheImpl._locator_classes.insert(0, KernelCacheLocator)
 
