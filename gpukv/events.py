@@ -55,7 +55,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .core.scope import ReuseScope
-from .kernels.sha256 import int64x4_to_digest
 from .core.layout import (
     EV_CREATED,
     EV_PAGE_INFO,
@@ -272,6 +271,7 @@ class KVCacheEventManager:
         self._scope_of: dict[bytes, ReuseScope] = {}
         # The event id at which each tree clear began, oldest first (see mark_clear).
         self._clear_marks: deque[int] = deque(maxlen=max(self.max_entries, 1))
+        self._unique_tokens: dict = {}  # token (int or digest bytes) -> its UniqueToken (_payload)
 
     # -- the manager's entry points ---------------------------------------------
     def created(self, num_blocks_per_cache_level) -> None:
@@ -294,15 +294,16 @@ class KVCacheEventManager:
         records = np.asarray(records)
         if records.size and (records.ndim != 2 or records.shape[1] != LOG.width):
             raise ValueError(f"records must have shape [n, {LOG.width}], got {records.shape}")
-        digests: dict[int, bytes] = {}  # negative token id -> digest, for this batch
         if progress is None:
             progress = np.zeros(1, dtype=np.int64)
         n = len(records)
+        if int(progress[0]) >= n:
+            return
+        launch = _Launch(records, log_tokens)
         while int(progress[0]) < n:
-            self._apply_atomically(records, progress, log_tokens, digests)
+            self._apply_atomically(launch, progress)
 
-    def _apply_atomically(self, records: np.ndarray, progress: np.ndarray, log_tokens: np.ndarray,
-                          digests: dict) -> None:
+    def _apply_atomically(self, launch: "_Launch", progress: np.ndarray) -> None:
         """Apply the record at ``progress[0]`` and advance ``progress[0]`` past
         it, or, when an exception (an asynchronous one included) cuts the
         application short, leave everything as it was before the record.
@@ -313,20 +314,20 @@ class KVCacheEventManager:
         its start. So the state the record may touch is saved first and put
         back unless the count moved: the count is one store, made last."""
         i = int(progress[0])
-        saved = self._save(records[i])
+        saved = self._save(launch.key(i))
         try:
-            progress[0] = self._apply_record(records, i, log_tokens, digests)
+            progress[0] = self._apply_record(launch, i)
         except BaseException:
             if int(progress[0]) == i:
                 self._restore(saved)
             raise
 
-    def _save(self, record) -> tuple:
-        """What applying ``record`` may change, cheaply: the announcements and
-        scope of its block (a record names one block), the small per-group
-        dicts, the buffered removals by length, the pending list by length
-        and the entries a stored event may extend in place, and the event id."""
-        key = _digest(record, LOG_DIGEST)
+    def _save(self, key: bytes) -> tuple:
+        """What applying the record of block ``key`` may change, cheaply: the
+        announcements and scope of its block (a record names one block), the
+        small per-group dicts, the buffered removals by length, the pending
+        list by length and the entries a stored event may extend in place,
+        and the event id."""
         announced = self._stored.get(key)
         if announced is not None:
             announced = _Announced(announced.block_hash, set(announced.life_cycles))
@@ -363,37 +364,34 @@ class KVCacheEventManager:
         self._dropped_tail = tail
         self._next_event_id = next_id
 
-    def _apply_record(self, records: np.ndarray, i: int, log_tokens: np.ndarray, digests: dict) -> int:
+    def _apply_record(self, launch: "_Launch", i: int) -> int:
         """Apply the record at ``i`` (a stored header with its page infos, or
         one record); returns the index of the next one."""
-        n = len(records)
-        r = records[i]
-        kind = int(r[LOG_KIND])
+        r = launch.rows[i]
+        kind = r[LOG_KIND]
         if kind in (EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE):
-            j = i + 1
-            while j < n and int(records[j, LOG_KIND]) == EV_PAGE_INFO:
-                j += 1
-            block = self._logged_block(r, records[i + 1 : j], log_tokens, digests)
+            j = launch.next_header(i)
+            block = self._logged_block(launch, i, j)
             if kind == EV_STORED_BLOCK:
                 self.add_stored_block_event_from_block(block)
             else:
-                self.add_stored_life_cycle_event_from_block(block, int(r[LOG_LIFE_CYCLE]))
+                self.add_stored_life_cycle_event_from_block(block, r[LOG_LIFE_CYCLE])
             return j
         if kind == EV_REMOVED:
             # One record per detached block. Removing a subtree key by key
             # gives the events of one batched call: removals are buffered
             # per group, in order, until something flushes them.
-            key = _digest(r, LOG_DIGEST)
+            key = launch.key(i)
             self._scope_of.pop(key, None)
             self.add_removed_event([key])
         elif kind == EV_REMOVED_LIFE_CYCLE:
-            self.add_removed_life_cycle_event(_digest(r, LOG_DIGEST), int(r[LOG_LIFE_CYCLE]))
+            self.add_removed_life_cycle_event(launch.key(i), r[LOG_LIFE_CYCLE])
         elif kind == EV_UPDATED:
             self.add_updated_event(
-                _digest(r, LOG_DIGEST),
-                cache_level=Diff(int(r[LOG_OLD_LEVEL]), int(r[LOG_LEVEL])),
+                launch.key(i),
+                cache_level=Diff(r[LOG_OLD_LEVEL], r[LOG_LEVEL]),
                 priority=None,
-                layer_group_id=int(r[LOG_LIFE_CYCLE]),
+                layer_group_id=r[LOG_LIFE_CYCLE],
             )
         elif kind == EV_PAGE_INFO:
             raise ValueError(f"log record {i}: a page info record without a stored header")
@@ -445,8 +443,9 @@ class KVCacheEventManager:
         block_hash = self._hash(block.key)
         self._stored[block.key] = _Announced(block_hash, set(covering))
         parent_hash = self._parent_hash(block)
+        payload = self._payload(block)
         for lc in covering:
-            data = self._block_data(block, block_hash, block.pages[lc])
+            data = self._block_data(payload, block_hash, block.pages[lc])
             self._add_stored_event(parent_hash, data, lc, block.scope)
 
     def add_stored_life_cycle_event_from_block(self, block: LoggedBlock, life_cycle: int) -> None:
@@ -461,7 +460,7 @@ class KVCacheEventManager:
         if life_cycle in state.life_cycles or page is None or not page.covers:
             return
         state.life_cycles.add(life_cycle)
-        data = self._block_data(block, state.block_hash, page)
+        data = self._block_data(self._payload(block), state.block_hash, page)
         self._add_stored_event(self._parent_hash(block), data, life_cycle, block.scope)
 
     def add_removed_event(self, keys: Iterable[bytes]) -> None:
@@ -589,38 +588,104 @@ class KVCacheEventManager:
         return None if block.parent_key is None else self._hash(block.parent_key)
 
     @staticmethod
-    def _block_data(block: LoggedBlock, block_hash: EventHash, page: PageInfo) -> KVCacheStoredBlockData:
-        """The stored payload of ``block`` as announced for ``page``'s life cycle."""
-        tokens = tuple(UniqueToken(t.hex() if isinstance(t, bytes) else t) for t in block.tokens)
-        mm_keys = tuple(dict.fromkeys(t.hex() for t in block.tokens if isinstance(t, bytes)))
+    def _block_data(payload: tuple, block_hash: EventHash, page: PageInfo) -> KVCacheStoredBlockData:
+        """The stored payload (``_payload``) of a block as announced for
+        ``page``'s life cycle."""
+        tokens, mm_keys = payload
         return KVCacheStoredBlockData(block_hash, tokens, page.level, page.priority, mm_keys)
 
-    def _logged_block(self, header, page_infos, log_tokens, digests: dict) -> LoggedBlock:
-        row = log_tokens[int(header[LOG_TOKENS_AT])][: int(header[LOG_NUM_TOKENS])]
-        tokens = []
-        for t in row.tolist():
-            if t < 0:  # an interned multimodal digest
-                if t not in digests:
-                    digests[t] = bytes(self._digest_of_token(t))
-                tokens.append(digests[t])
-            else:
-                tokens.append(t)
+    def _payload(self, block: LoggedBlock) -> tuple:
+        """``(tokens, mm_keys)`` of ``block``'s stored events, built once per
+        block however many life cycles announce it. Token objects come from
+        ``_unique_tokens``: building a frozen dataclass per token of every
+        stored block was most of the cost of events."""
+        cache = self._unique_tokens
+        try:
+            tokens = tuple(map(cache.__getitem__, block.tokens))
+        except KeyError:
+            if len(cache) > _UNIQUE_TOKENS_MAX:
+                cache = self._unique_tokens = {}  # one store: an interrupt leaves a whole cache
+            for t in block.tokens:
+                if t not in cache:
+                    cache[t] = UniqueToken(t.hex() if isinstance(t, bytes) else t)
+            tokens = tuple(map(cache.__getitem__, block.tokens))
+        mm_keys = ()
+        if bytes in set(map(type, block.tokens)):
+            mm_keys = tuple(dict.fromkeys(t.hex() for t in block.tokens if isinstance(t, bytes)))
+        return tokens, mm_keys
+
+    def _logged_block(self, launch: "_Launch", i: int, j: int) -> LoggedBlock:
+        """The block of the stored header at ``i``, its page infos up to ``j``."""
+        header = launch.rows[i]
+        tokens = launch.tokens(header[LOG_TOKENS_AT], header[LOG_NUM_TOKENS])
+        if launch.multimodal and min(tokens, default=0) < 0:  # interned multimodal digests
+            tokens = tuple(launch.digest_token(t, self._digest_of_token) if t < 0 else t for t in tokens)
         pages = {
-            int(p[LOG_LIFE_CYCLE]): PageInfo(bool(p[LOG_COVERS]), int(p[LOG_LEVEL]), int(p[LOG_PRIORITY]))
-            for p in page_infos
+            p[LOG_LIFE_CYCLE]: PageInfo(bool(p[LOG_COVERS]), p[LOG_LEVEL], p[LOG_PRIORITY])
+            for p in launch.rows[i + 1 : j]
         }
-        key = _digest(header, LOG_DIGEST)
+        key = launch.key(i)
         if header[LOG_PARENT_IS_ROOT]:
             parent = None
-            found = None if self._scope_of_root is None else self._scope_of_root(_digest(header, LOG_PARENT_DIGEST))
+            found = None if self._scope_of_root is None else self._scope_of_root(launch.parent_key(i))
             scope = None if found is None or found == ReuseScope() else found
         else:
-            parent = _digest(header, LOG_PARENT_DIGEST)
+            parent = launch.parent_key(i)
             scope = self._scope_of.get(parent)
         if scope is not None:
             self._scope_of[key] = scope
-        return LoggedBlock(key, parent, tuple(tokens), pages, scope)
+        return LoggedBlock(key, parent, tokens, pages, scope)
 
 
-def _digest(record, col: int) -> bytes:
-    return int64x4_to_digest(record[col : col + 4])
+# Distinct tokens whose UniqueToken the event manager keeps (about a vocabulary;
+# the cache starts over beyond it, so multimodal digests cannot grow it forever).
+_UNIQUE_TOKENS_MAX = 1 << 18
+
+
+class _Launch:
+    """One launch's change log, decoded with a few array operations instead of
+    per record: the rows as Python ints, every record's block key and parent
+    key as bytes, and the token rows as lists, on first use. Nothing here is
+    event state, so an interrupt while building it changes nothing."""
+
+    __slots__ = ("rows", "multimodal", "_keys", "_parents", "_log_tokens", "_token_rows", "_digests")
+
+    def __init__(self, records: np.ndarray, log_tokens: np.ndarray):
+        self.rows = records.tolist()
+        self._keys = _digest_bytes(records, LOG_DIGEST)
+        self._parents = _digest_bytes(records, LOG_PARENT_DIGEST)
+        self._log_tokens = log_tokens
+        self._token_rows: dict[int, list] = {}
+        self.multimodal = bool(np.size(log_tokens)) and int(np.min(log_tokens)) < 0
+        self._digests: dict[int, bytes] = {}  # negative token id -> digest
+
+    def key(self, i: int) -> bytes:
+        return self._keys[32 * i : 32 * i + 32]
+
+    def parent_key(self, i: int) -> bytes:
+        return self._parents[32 * i : 32 * i + 32]
+
+    def next_header(self, i: int) -> int:
+        """The index after the page infos that follow the header at ``i``."""
+        rows, j = self.rows, i + 1
+        while j < len(rows) and rows[j][LOG_KIND] == EV_PAGE_INFO:
+            j += 1
+        return j
+
+    def tokens(self, at: int, n: int) -> tuple:
+        row = self._token_rows.get(at)
+        if row is None:
+            row = self._token_rows[at] = self._log_tokens[at].tolist()
+        return tuple(row[:n])
+
+    def digest_token(self, t: int, digest_of_token) -> bytes:
+        d = self._digests.get(t)
+        if d is None:
+            d = self._digests[t] = bytes(digest_of_token(t))
+        return d
+
+
+def _digest_bytes(records: np.ndarray, col: int) -> bytes:
+    """The int64x4 digests at ``col`` of every record, as 32 bytes each (the
+    byte order of ``int64x4_to_digest``), in one conversion."""
+    return np.ascontiguousarray(records[:, col : col + 4], dtype="<i8").tobytes()
