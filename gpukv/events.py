@@ -300,8 +300,14 @@ class KVCacheEventManager:
         if int(progress[0]) >= n:
             return
         launch = _Launch(records, log_tokens)
-        while int(progress[0]) < n:
-            self._apply_atomically(launch, progress)
+        rows = launch.rows
+        while (i := int(progress[0])) < n:
+            if rows[i][LOG_KIND] in (EV_CREATED, EV_ROOT_REMOVED):
+                # Tree bookkeeping, no event state: nothing to save or restore
+                # (about half the records of a step that stores new blocks).
+                progress[0] = i + 1
+            else:
+                self._apply_atomically(launch, progress)
 
     def _apply_atomically(self, launch: "_Launch", progress: np.ndarray) -> None:
         """Apply the record at ``progress[0]`` and advance ``progress[0]`` past
