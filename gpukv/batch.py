@@ -19,11 +19,11 @@ through the same steps, each written once:
              place that reserves table room
 
 A call's values are ints for one cache and int64 arrays for many, and one
-expression serves both (``_any``, ``_first``, ``_at``, ``_total``, ``_max``,
-``_where`` and ``_select`` are the few steps that differ). A per-cache call,
-which an engine's scheduler makes hundreds of times per step, thus costs its
-checks in plain Python and one launch, with no array built for it; a batched
-call of one cache takes the same fast path.
+expression serves both (the helpers below, ``_any`` to ``_select``, are the
+few steps that differ). A per-cache call, which an engine's scheduler makes
+hundreds of times per step, thus costs its checks in plain Python and one
+launch, with no array built for it; a batched call of one cache takes the
+same fast path.
 
 The result of a batched call equals issuing the per-cache calls one by one in
 the order given: the kernel runs the same per-cache code on each cache in
@@ -34,6 +34,9 @@ the entry, before anything changes.
 A cache is known here by its pool slot and the serial the pool gave it
 (``KVCache._slot`` and ``_serial``, its handle); everything else a call needs
 of it (scalars, segment, priority callback) is the pool's.
+
+It is longer than most modules because it is the whole of the calls on
+caches, both input forms and every call's rules and table room, each once.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from .kernels.seq import SEQ_CLOSE, SEQ_COMMIT, SEQ_RESIZE, SEQ_RESUME, SEQ_SETU
 from .kernels.sha256 import digest_to_int64x4
 from .launcher import BusyError, LogicError
 from .tables import log_tokens_rows_for
-from .tokens import ValidTokens, check_flat, flatten, token_array
+from .tokens import ValidTokens, check_flat, flatten, token_array, tokens_and_digests
 
 _slot_of = attrgetter("_slot")
 _serial_of = attrgetter("_serial")
@@ -93,6 +96,10 @@ def _at(value, i: int):
 
 def _total(value) -> int:
     return int(value.sum()) if type(value) is _ARRAY else int(value)
+
+
+def _totals(*values) -> list:
+    return [int(v.sum()) if type(v) is _ARRAY else int(v) for v in values]
 
 
 def _max(a, b):
@@ -236,7 +243,7 @@ class CacheCalls:
         S = self.pool.host_scalars
         if type(slots) is _ARRAY:
             return [S[slots, c] for c in columns]
-        return list(map(S[slots].tolist().__getitem__, columns))
+        return list(map(S[slots].tolist().__getitem__, columns))  # one row: its Python ints
 
     # -- one cache: KVCache's methods (and create_kv_cache) ---------------------------------
     def create_one(self, input_tokens, scope, priority_callback) -> KVCache:
@@ -277,8 +284,8 @@ class CacheCalls:
             raise TypeError(f"is_end must be a bool, got {is_end!r}")
         # Digests are only looked up until every check has passed, so a
         # rejected commit interns nothing.
-        arr = token_array(tokens, self.tables.lookup_digest)
-        interned = (lambda: token_array(tokens, self.tables.intern_digest)) if _holds_digests(arr) else None
+        arr, digests = tokens_and_digests(tokens, self.tables.lookup_digest)
+        interned = (lambda: token_array(tokens, self.tables.intern_digest)) if digests else None
         self._commit(_COMMIT, slot, arr, len(arr), bool(is_end), interned)
 
     def stop_one(self, slot: int):
@@ -488,10 +495,15 @@ class CacheCalls:
         if interned is not None:
             flat = interned()
         # No tokens and no end: nothing to do (a stop is a commit of none that ends).
-        picked, _ = _select(some | end, [slots, n0, n1, count, end, some, full, nb])
-        if picked is None:
-            return
-        slots, n0, n1, count, end, some, full, nb = picked
+        run = some | end
+        if type(run) is not _ARRAY:
+            if not run:
+                return
+        else:
+            picked, _ = _select(run, [slots, n0, n1, count, end, some, full, nb])
+            if picked is None:
+                return
+            slots, n0, n1, count, end, some, full, nb = picked
         blocks = _where(some, -(-n1 // T), nb)
         # Only a commit that completes a block, snapshots a partial one or
         # ends the sequence adds to the tree: for it the new blocks and a
@@ -504,14 +516,15 @@ class CacheCalls:
         grows = (n1 // T > full) | end
         if self.config.commit_min_snapshot:
             grows = grows | (n1 % T != 0)
-        rows = _where(some, blocks + 2, _STOP_ROWS)
-        announced = _where(some, log_tokens_rows_for(blocks, self.L), _stop_announced(nb))
-        self._launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end),
-                     rows=_total(_where(grows, rows, 0)), announced=_total(_where(grows, announced, 0)),
-                     # The rest only raise their history: per life cycle at
-                     # most the blocks that many tokens make stale.
-                     span=_total(_where(grows, blocks, count // T + 2)),
-                     allocated=2 * _total(some), tokens=flat, tokens_off=_offsets(count) if is_batch(count) else None)
+        rows = grows * _where(some, blocks + 2, _STOP_ROWS)
+        announced = grows * _where(some, log_tokens_rows_for(blocks, self.L), _stop_announced(nb))
+        # The rest only raise their history: per life cycle at most the
+        # blocks that many tokens make stale.
+        span = _where(grows, blocks, count // T + 2)
+        rows, announced, span, commits = _totals(rows, announced, span, some)
+        self._launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end), rows=rows,
+                     announced=announced, span=span, allocated=2 * commits, tokens=flat,
+                     tokens_off=_offsets(count) if is_batch(count) else None)
 
     def _close(self, slots, evict_first, caches):
         """``close(evict_first)`` of caches not closed yet (``caches``: the
@@ -563,7 +576,10 @@ class CacheCalls:
                 open_caches.difference_update([kv for kv, c in zip(caches, closed) if c])
                 pool.forget_callbacks(slots)
 
-        pool.launch(self.launcher, slots, op, tokens, tokens_off, path, path_off, results=results)
+        # Off the GPU the host reads the scalars in place: unless caches close
+        # there is nothing to do after the kernel.
+        needed = closing is not None or pool.scalars_on_device
+        pool.launch(self.launcher, slots, op, tokens, tokens_off, path, path_off, results=results if needed else None)
 
     def _ask_priorities(self, naming, slots, blocks) -> list:
         """``[(slot, rows)]``: the callbacks' page priorities for the ordinals
@@ -698,9 +714,7 @@ class CacheCalls:
 
 def _holds_digests(tokens: np.ndarray) -> bool:
     """Whether converted tokens hold digests (negative ids, interned or looked up)."""
-    if tokens.size <= 32:  # a decode step's few: cheaper as Python ints than a NumPy reduction
-        return min(tokens.tolist(), default=0) < 0
-    return int(tokens.min()) < 0
+    return bool(tokens.size) and int(tokens.min()) < 0
 
 
 def _one_scope(scopes) -> bool:

@@ -85,6 +85,9 @@ class CachePool:
         self.hold_rules = hold_rules(config)
         self.kernels = build_seq_kernels(backend.target)
         self._on_gpu = backend.on_gpu
+        # Whether the host keeps a copy of the scalars to refresh after a
+        # launch (elsewhere it reads the device array itself).
+        self.scalars_on_device = backend.on_gpu
         self.gen = 0  # bumped whenever a segment moves or an array is replaced
         self.top = 0  # the first block row no segment has used since the last packing
         self.seg = np.zeros((0, 2), dtype=np.int64)  # host copy: (base, blocks) per slot
@@ -419,10 +422,8 @@ class CachePool:
         ``results`` as ``Launcher.launch`` takes it."""
         if not is_batch(slots):
             work = self._work1  # no arrays to build for one cache
-            work[0, BATCH_SLOT] = slots
-            work[0, BATCH_OP] = ops
-            work[1, BATCH_TOKENS] = 0 if tokens is None else len(tokens)
-            work[1, BATCH_PATH] = 0 if path is None else len(path)
+            work[0, BATCH_SLOT:BATCH_OP + 1] = slots, ops
+            work[1, BATCH_TOKENS:BATCH_PATH + 1] = 0 if tokens is None else len(tokens), 0 if path is None else len(path)
             self._run(launcher, ops >= FIRST_COMMIT_OP, work, tokens, path, results)
             return
         n = len(slots)
@@ -444,7 +445,21 @@ class CachePool:
             self._sync_seg()
         b = self.backend
         kernel = self.kernels.commit if commit else self.kernels.size
-        run = self._compiled_call(launcher, kernel)
+        # Numba's dispatcher types every argument of every call to find the
+        # compiled code: for the sequence kernels' 41 arrays (the tables and
+        # the pool, two named tuples) that is several µs, more than all the
+        # rest of a per-cache call. Both tuples are rebuilt whenever an array
+        # in them is replaced, and the other arguments are made here with
+        # fixed types (the work list, ``_kernel_input``), so while both are
+        # the very objects of the last dispatched launch the dispatcher would
+        # pick the same code again: that code is called directly. The first
+        # launch after either changed (or after an aftermath cut short) goes
+        # through the dispatcher and learns anew.
+        known = self._compiled.get(kernel)
+        if known is not None and known[0] is launcher.tables.device and known[1] is self.arrays and not launcher.pending:
+            run = known[2]
+        else:
+            run = kernel
         launcher.launch(
             run, self.arrays, b.to_device(work) if self._on_gpu else work,
             self._no_tokens if tokens is None else self._kernel_input(tokens, np.int32),
@@ -454,40 +469,26 @@ class CachePool:
         if run is kernel:
             self._learn_compiled(launcher, kernel)
 
-    # Numba's dispatcher types every argument of every call to find the
-    # compiled code: for the sequence kernels' 41 arrays (the tables and the
-    # pool, two named tuples) that is several µs, more than all the rest of a
-    # per-cache call. Both tuples are rebuilt whenever an array in them is
-    # replaced, and the other arguments are made here with fixed types (the
-    # work list, ``_kernel_input``), so while both are the very objects of
-    # the last dispatched call the dispatcher would pick the same code again:
-    # that code is called directly. The first launch after either changed
-    # goes through the dispatcher and learns anew. The ``cuda`` kernels are
-    # launched by plain functions, which this leaves alone.
-    def _compiled_call(self, launcher, kernel):
-        """What to launch: ``kernel``, or its compiled code while the tables
-        and the pool's arrays are those it last ran on."""
-        known = self._compiled.get(kernel)
-        if known is not None and known[0] is launcher.tables.device and known[1] is self.arrays and not launcher.pending:
-            return known[2]
-        return kernel
-
     def _learn_compiled(self, launcher, kernel):
-        overloads = getattr(kernel, "overloads", None)  # a Numba dispatcher's: signature -> compiled code
+        """After a dispatched launch: the code it ran and the arguments it was
+        typed on, when the kernel has one compiled signature (Numba's ``cpu``
+        dispatchers; the ``cuda`` kernels are launched by plain functions,
+        which this leaves alone)."""
+        overloads = getattr(kernel, "overloads", None)  # signature -> compiled code
         if overloads is not None and len(overloads) == 1:
             (compiled,) = overloads.values()
             self._compiled[kernel] = (launcher.tables.device, self.arrays, compiled.entry_point)
 
     def _kernel_input(self, a, dtype):
-        """``a`` (one-dimensional) as the one signature the kernel is compiled
-        for takes it: on the device, contiguous, aligned and writable (Numba
-        types a read-only or unaligned array apart, which would compile the
-        kernel again or, called directly, misread it; the simulator writes
-        its arguments back)."""
+        """``a`` (a flat list of the kernel's input) as the one signature the
+        kernel is compiled for takes it: on the device, one-dimensional,
+        contiguous, aligned and writable (Numba types a read-only or
+        unaligned array apart, which would compile the kernel again or,
+        called directly, misread it; the simulator writes its arguments back)."""
         if type(a) is np.ndarray and a.dtype == dtype and a.ndim == 1 and a.flags.carray and not self._on_gpu:
             return a
         xp = self.backend.xp
-        out = xp.ascontiguousarray(xp.asarray(a, dtype=dtype))
+        out = xp.ascontiguousarray(xp.asarray(a, dtype=dtype).reshape(-1))
         if isinstance(out, np.ndarray) and not out.flags.carray:
             out = out.copy()
         return out

@@ -142,7 +142,7 @@ def preallocated_sizes(config: CacheConfig) -> dict:
     pools = [g + h for g, h in zip(config.pages_per_life_cycle_list(), config.pages_per_life_cycle_list(host=True))]
     # The widest launch: a cache's call over its blocks, the doubled arrays
     # they sit in, the pages it may allocate and its scratch slots
-    # (``KVCache._launch``), or a tree operation over one pool's pages.
+    # (``batch.CacheCalls._launch``), or a tree operation over one pool's pages.
     launch_blocks = 3 * mb + max(pools) + 2 * scratch_width(config) + 16
     return {
         "blocks": mb,

@@ -69,16 +69,23 @@ _PLAIN_INTS = frozenset({int})
 
 def token_array(tokens, intern: Callable[[bytes], int], request: int | None = None) -> np.ndarray:
     """One sequence as a validated int32 array (digests interned)."""
+    return tokens_and_digests(tokens, intern, request)[0]
+
+
+def tokens_and_digests(tokens, intern: Callable[[bytes], int], request: int | None = None) -> tuple:
+    """``(token_array(...), whether it holds digests that ``intern`` gave)``:
+    only a sequence of more than ints can hold any, so a caller that looked
+    digests up and must intern them later never searches the array for them."""
     if type(tokens) is ValidTokens:
-        return tokens.array
+        return tokens.array, False  # digests there are interned already
     if isinstance(tokens, np.ndarray):
-        return _from_ndarray(tokens, request)
+        return _from_ndarray(tokens, request), False
     if type(tokens) is list and len(tokens) <= _SHORT_LIST and _PLAIN_INTS.issuperset(map(type, tokens)):
         # Python ints only (no bools, digests or other types); what is out
         # of range takes the general path, which names it.
         if not tokens or min(tokens) >= 0:
             try:
-                return np.array(tokens, dtype=np.int32)
+                return np.array(tokens, dtype=np.int32), False
             except OverflowError:
                 pass
     _check_container(tokens, request)
@@ -90,7 +97,7 @@ def token_array(tokens, intern: Callable[[bytes], int], request: int | None = No
     _check_sign(out, request)
     if _bool_at(tokens, np.flatnonzero(out <= 1)) is not None:
         return _slow(tokens, intern, request)  # raises, naming the position
-    return out
+    return out, False
 
 
 def _bool_at(tokens, candidates: np.ndarray):
@@ -218,10 +225,10 @@ def _check_sign(a: np.ndarray, request):
         raise token_error(request, bad, int(a[bad]))
 
 
-def _slow(tokens, intern, request) -> np.ndarray:
+def _slow(tokens, intern, request) -> tuple:
     """Token by token: only for sequences holding digests (or errors). Every
     token is validated before any digest is interned, so a rejected sequence
-    leaves the digest table as it was."""
+    leaves the digest table as it was. ``(array, whether digests were in it)``."""
     out = np.empty(len(tokens), dtype=np.int32)
     digests = []
     for pos, tok in enumerate(tokens):
@@ -239,4 +246,4 @@ def _slow(tokens, intern, request) -> np.ndarray:
             raise TypeError(f"{_where(request)}token at position {pos} must be an int or 32-byte digest, got {tok!r}")
     for pos in digests:
         out[pos] = intern(tokens[pos])
-    return out
+    return out, bool(digests)

@@ -91,3 +91,38 @@ def test_a_moved_segment_keeps_everything_it_held(backend, caches):
     for kv in kvs:  # and the moved caches work on: commit into their new room
         kv.commit(list(range(7, 7 + 2 * T)))
     introspect.check_sanity(mgr)
+
+
+def test_the_cpu_kernels_are_called_past_the_dispatcher_while_their_tables_stay():
+    """On ``cpu`` a sequence kernel is called as its compiled code while the
+    tables and the pool's arrays are the very ones of its last dispatched
+    launch; after a table grows the next launch goes through Numba's
+    dispatcher again, and input Numba would type apart (read-only,
+    unaligned) is copied first, so each kernel keeps its one signature."""
+    mgr = manager("cpu")
+    pool = mgr._pool
+    commit = pool.kernels.commit
+    kv = mgr.create_kv_cache()
+    prefill(kv, list(range(1, 9)))
+    assert kv.resize(2048, 8)
+    kv.commit([9])
+    tables, arrays, code = pool._compiled[commit]
+    assert tables is mgr._tables.device and arrays is pool.arrays
+    assert code is next(iter(commit.overloads.values())).entry_point
+    readonly = np.arange(10, 14, dtype=np.int32)
+    readonly.setflags(write=False)
+    unaligned = np.frombuffer(b"\0" + np.arange(14, 18, dtype=np.int32).tobytes(), dtype=np.int32, offset=1)
+    assert not unaligned.flags.aligned
+    kv.commit(readonly)
+    kv.commit(unaligned)
+    before = mgr._tables.device
+    kv.commit(list(range(18, 18 + 300 * T)))  # more blocks than the tables have rows: they grow
+    assert mgr._tables.device is not before
+    kv.commit([5])  # dispatched again, with the grown tables
+    assert pool._compiled[commit][0] is mgr._tables.device
+    assert len(commit.overloads) == 1 and len(pool.kernels.size.overloads) == 1
+    want = list(range(1, 18 + 300 * T)) + [5]
+    assert kv.committed_tokens.tolist() == want
+    kv.close()
+    assert mgr.probe_reuse(want) >= len(want) // T * T
+    introspect.check_sanity(mgr)
