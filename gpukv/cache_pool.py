@@ -211,11 +211,13 @@ class CachePool:
 
     def reserve(self, slots, blocks) -> None:
         """Room for ``blocks[i]`` blocks in the segment of ``slots[i]``."""
+        if not is_batch(slots):
+            if blocks <= self.seg[slots, 1]:
+                return
+            slots, blocks = np.array([slots]), np.array([blocks])
         short = blocks > self.seg[slots, 1]
         if not short.any():
             return
-        if not is_batch(slots):
-            slots, blocks, short = np.array([slots]), np.array([blocks]), np.array([True])
         grow, want = slots[short], blocks[short]
         # Half as much again as asked, and at least double: a cache that was
         # just sized to its prompt then decodes for a while without moving.
@@ -339,8 +341,17 @@ class CachePool:
         if self.arrays is None:
             return
         seg = self.seg
-        self.arrays = self.arrays._replace(seg=b.to_device(seg) if b.on_gpu else seg)
+        before = self.arrays
+        self.arrays = before._replace(seg=b.to_device(seg) if b.on_gpu else seg)
         self._synced_seg = seg
+        # Segments change with every allocation, release and move: the code a
+        # kernel ran on the arrays before still serves them when only ``seg``
+        # changed, for the same kind of array (``_run``), so no such launch
+        # goes through the dispatcher again.
+        if seg.dtype == np.int64 and seg.ndim == 2 and seg.flags.carray:
+            for kernel, (tables, arrays, code) in list(self._compiled.items()):
+                if arrays is before:
+                    self._compiled[kernel] = (tables, self.arrays, code)
 
     # -- views and launches --------------------------------------------------------------
     def view(self, slot: int) -> SeqTables:

@@ -96,9 +96,10 @@ def test_a_moved_segment_keeps_everything_it_held(backend, caches):
 def test_the_cpu_kernels_are_called_past_the_dispatcher_while_their_tables_stay():
     """On ``cpu`` a sequence kernel is called as its compiled code while the
     tables and the pool's arrays are the very ones of its last dispatched
-    launch; after a table grows the next launch goes through Numba's
-    dispatcher again, and input Numba would type apart (read-only,
-    unaligned) is copied first, so each kernel keeps its one signature."""
+    launch (the segment table, replaced by the pool itself, excepted); after
+    a table grows the next launch goes through Numba's dispatcher again, and
+    input Numba would type apart (read-only, unaligned) is copied first, so
+    each kernel keeps its one signature."""
     mgr = manager("cpu")
     pool = mgr._pool
     commit = pool.kernels.commit
@@ -109,6 +110,10 @@ def test_the_cpu_kernels_are_called_past_the_dispatcher_while_their_tables_stay(
     tables, arrays, code = pool._compiled[commit]
     assert tables is mgr._tables.device and arrays is pool.arrays
     assert code is next(iter(commit.overloads.values())).entry_point
+    other = mgr.create_kv_cache()
+    assert other.resume()  # a launch over changed segments: only seg was replaced, the code still serves
+    assert pool._compiled[commit][1] is pool.arrays is not arrays
+    other.close()
     readonly = np.arange(10, 14, dtype=np.int32)
     readonly.setflags(write=False)
     unaligned = np.frombuffer(b"\0" + np.arange(14, 18, dtype=np.int32).tobytes(), dtype=np.int32, offset=1)
