@@ -13,6 +13,9 @@
 
 The command prints the library's log messages (the ``gpukv`` logger, INFO
 and above) on stderr; results go to stdout.
+
+It is one module because every command shares the argument types, the
+bounds and the error handling of ``main``; most of its length is the parser.
 """
 
 from __future__ import annotations
