@@ -263,7 +263,6 @@ class KVCacheManager:
             self._obtainable = (launches, self._tables.obtainable_pages())
         return int(self._obtainable[1][life_cycle_id, level])
 
-    @serialized("mgr.take_page_copies()")
     def take_page_copies(self) -> PageCopies:
         """The page data copies the engine must carry out, decided since the
         last call, in order; each is then forgotten (docs/integration.md).
@@ -275,8 +274,19 @@ class KVCacheManager:
         model reads or writes any page; nothing is dropped, so an engine that
         never takes them grows this list without bound. With ``page_bytes >
         0`` gpukv has already made every copy in its own page memory when the
-        call that decided it returns, and this returns no copies."""
-        return self._pages.take_copies()
+        call that decided it returns, and this returns no copies.
+
+        Each copy is handed over once: a call that raises (a ``KeyboardInterrupt``
+        from a signal handler too, wherever it lands in the call) hands over
+        none, and the next call returns them, ahead of the newer ones."""
+        receipt = object()  # tells this take apart from every other
+        # The guard's own way out runs after the copies were taken; only this
+        # frame, outside it, knows whether they reached the caller.
+        try:
+            return self._launcher.guard.run("mgr.take_page_copies()", self._pages.take_copies, (receipt,), {})
+        except BaseException:
+            self._pages.give_back(receipt)
+            raise
 
     @serialized("mgr.get_and_reset_eviction_stats()")
     def get_and_reset_eviction_stats(self) -> dict:

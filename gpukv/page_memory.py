@@ -26,7 +26,6 @@ count before the count moves over them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -37,9 +36,11 @@ from .core.layout import COPY_DST_INDEX, COPY_DST_LEVEL, COPY_LIFE_CYCLE, COPY_S
 logger = logging.getLogger("gpukv")
 
 # PageMemory._state: [DONE] copies of the current list done (made or kept),
-# [KEPT] copies kept for the engine, [STATS + lc] copies inside the GPU pool of
-# life cycle lc since the statistics were last taken.
-DONE, KEPT, STATS = 0, 1, 2
+# [KEPT] copies kept for the engine, [HANDED] copies the last take forgot
+# (kept again if that take never reached its caller: ``give_back``),
+# [STATS + lc] copies inside the GPU pool of life cycle lc since the
+# statistics were last taken.
+DONE, KEPT, HANDED, STATS = 0, 1, 2, 3
 WARN_KEPT = 1 << 16  # kept copies past which each growth of the buffer is logged
 
 
@@ -148,6 +149,8 @@ class PageMemory:
         # Index-only: the copies the engine has not taken yet (the first
         # _state[KEPT] rows).
         self._kept = np.zeros((0 if nbytes else 64, COPY_WIDTH), dtype=np.int64)
+        self._handed = self._kept[:0]  # the rows the last take forgot, and that take's receipt
+        self._receipt = None
 
     @property
     def keeps_copies(self) -> bool:
@@ -175,23 +178,44 @@ class PageMemory:
         self._state[STATS:] -= out
         return out
 
-    def take_copies(self) -> PageCopies:
-        """Every copy kept since the last call, in order, and forget them.
+    def take_copies(self, receipt) -> PageCopies:
+        """Every copy kept since the last take, in order, and forget them.
 
-        They are forgotten only when this returns: an exception anywhere in
-        it (an interrupt too) keeps them all for the next call."""
+        ``receipt``: an object new to this take. If the take never reaches
+        its caller (an exception anywhere on its way out, an interrupt
+        included), ``give_back(receipt)`` keeps them all again for the next
+        take; without that call they stay handed over."""
         k = self.num_kept
-        copies = PageCopies.from_table(self._kept[:k].copy()) if k else PageCopies.empty()
-        with self._handed_over(k):
-            return copies
+        self._state[HANDED] = 0  # the last take reached its caller: nothing to give back from it
+        rows = self._kept[:k].copy()
+        copies = PageCopies.from_table(rows) if k else PageCopies.empty()
+        self._handed, self._receipt = rows, receipt
+        # Forgotten and noted as handed over in one operation: an exception
+        # lands before it (nothing taken) or after it (give_back finds them).
+        step = np.zeros_like(self._state)
+        step[KEPT], step[HANDED] = -k, k
+        self._state += step
+        return copies
 
-    @contextlib.contextmanager
-    def _handed_over(self, k: int):
-        # Runs after the ``return`` in ``take_copies`` was reached and only
-        # then (an exception skips it): the last gpukv line of the call, so
-        # the copies are either returned or still kept, never lost.
-        yield
-        self._state[KEPT] -= k
+    def give_back(self, receipt) -> None:
+        """The copies the take of ``receipt`` forgot, kept again ahead of any
+        kept since, as if that take never happened; nothing when it forgot
+        none or a later take came after it."""
+        if receipt is not self._receipt:
+            return
+        h = int(self._state[HANDED])
+        if not h:
+            return
+        k = self.num_kept
+        if k:  # kept since the take (a launch came in between): the handed rows go first again
+            merged = np.empty((max(h + k, self._kept.shape[0]), COPY_WIDTH), dtype=np.int64)
+            merged[:h] = self._handed[:h]
+            merged[h:h + k] = self._kept[:k]
+            self._kept = merged
+        # Otherwise the rows are where the take found them: only the counts move back.
+        step = np.zeros_like(self._state)
+        step[KEPT], step[HANDED] = h, -h
+        self._state += step
 
     def carry_out(self, copies: np.ndarray) -> None:
         """Carry out ``copies`` ([n, COPY_WIDTH], in recording order) from

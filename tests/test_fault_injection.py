@@ -462,6 +462,26 @@ def test_faults_anywhere_cudasim():
 # ---------------------------------------------------------------------------
 
 
+def interrupt_at_line(k: int):
+    """A trace function raising KeyboardInterrupt before the ``k``-th line of
+    gpukv's host code (``_interruptible``) that runs while it is set, as a
+    signal handler would; returns (trace, fired: the lines it fired at)."""
+    left, fired = [k], []
+
+    def local(frame, event, arg):
+        if event == "line" and left[0] > 0:
+            left[0] -= 1
+            if left[0] == 0:
+                fired.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
+                raise KeyboardInterrupt(f"injected at {fired[-1]}")
+        return local
+
+    def trace(frame, event, arg):
+        return local if _interruptible(frame.f_code) else None
+
+    return trace, fired
+
+
 def _interrupt_at_line(function_name: str, k: int):
     """A trace function raising KeyboardInterrupt before the ``k``-th line of
     gpukv's ``function_name`` runs; returns (trace, fired)."""

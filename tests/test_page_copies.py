@@ -14,7 +14,7 @@ own page memory does with ``page_bytes > 0``.
 
 from __future__ import annotations
 
-import contextlib
+import sys
 
 import numpy as np
 import pytest
@@ -27,11 +27,11 @@ from gpukv.core.layout import CNT_NUM_COPIES, COPY_WIDTH
 try:  # tests/ is on sys.path under pytest's default import mode
     from conftest import GPU_BACKEND, make_manager
     from engine import Engine
-    from test_fault_injection import FaultyWorkload
+    from test_fault_injection import FaultyWorkload, interrupt_at_line
 except ImportError:  # pragma: no cover - if tests/ becomes a package
     from tests.conftest import GPU_BACKEND, make_manager
     from tests.engine import Engine
-    from tests.test_fault_injection import FaultyWorkload
+    from tests.test_fault_injection import FaultyWorkload, interrupt_at_line
 
 T = 4
 
@@ -161,37 +161,93 @@ def test_the_checks_see_a_dropped_copy():
         w.run(200)
 
 
-def test_a_take_cut_short_keeps_its_copies(monkeypatch):
-    """An interrupt at the last step of a take: the copies are not returned,
-    so they stay for the next take, all of them, once."""
+def _one_private_tail_copy(mgr):
+    """A cache whose resume decides one copy (its reused partial tail's
+    private page); returns the cache and the copy's destination page."""
+    kv = mgr.create_kv_cache(input_tokens=list(range(1, 7)) + [9])
+    assert kv.num_committed_tokens == 6
+    assert kv.resume()
+    return kv, int(kv.page_indices(0)[1])
+
+
+def _tail_rig():
     mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=16)
     kv = mgr.create_kv_cache()
     assert kv.resume() and kv.resize(6, 6)
     kv.commit(list(range(1, 7)))
     kv.close()
-    kv = mgr.create_kv_cache(input_tokens=list(range(1, 7)) + [9])
-    assert kv.num_committed_tokens == 6
-    assert kv.resume()  # the reused partial tail gets its private copy
-    pages = mgr._pages
-    assert pages.num_kept == 1
-    original = type(pages)._handed_over
+    assert len(mgr.take_page_copies()) == 0
+    return mgr
 
-    @contextlib.contextmanager
-    def interrupted(self, k):
-        yield
-        raise KeyboardInterrupt("at the line that forgets the copies")
 
-    monkeypatch.setattr(type(pages), "_handed_over", interrupted)
+def test_a_take_interrupted_at_any_line_hands_each_copy_over_once():
+    """An interrupt before any line of gpukv's host code in a take (the
+    copies already read, already forgotten, on the call's way out): either
+    the take returns the copy or the next one does, exactly once."""
+    mgr = _tail_rig()
+    interrupted = 0
+    for k in range(1, 400):
+        kv, dst = _one_private_tail_copy(mgr)
+        trace, fired = interrupt_at_line(k)
+        sys.settrace(trace)
+        try:
+            got = mgr.take_page_copies()
+        except KeyboardInterrupt:
+            got = None
+        finally:
+            sys.settrace(None)
+        later = mgr.take_page_copies()
+        handed = ([] if got is None else got.dst_index.tolist()) + later.dst_index.tolist()
+        assert handed == [dst], f"interrupted at {fired}: the copy to page {dst} was handed over as {handed}"
+        assert len(mgr.take_page_copies()) == 0
+        kv.close()
+        if not fired:
+            break  # past the call's last line
+        interrupted += 1
+    assert interrupted >= 8, interrupted
+
+
+def test_a_take_interrupted_after_the_guard_returned_keeps_its_copies(monkeypatch):
+    """A signal's handler may run in the call guard's frame after the take
+    returned to it, before the manager's frame got the copies (the
+    interpreter checks for signals after every call): they stay for the next
+    take."""
+    mgr = _tail_rig()
+    kv, dst = _one_private_tail_copy(mgr)
+    guard = mgr._launcher.guard
+    original = guard.run
+
+    def run_then_interrupted(*args):
+        original(*args)
+        raise KeyboardInterrupt("after the take returned into the guard")
+
+    monkeypatch.setattr(guard, "run", run_then_interrupted)
     with pytest.raises(KeyboardInterrupt):
         mgr.take_page_copies()
-    monkeypatch.setattr(type(pages), "_handed_over", original)
+    monkeypatch.setattr(guard, "run", original)
     copies = mgr.take_page_copies()
-    assert len(copies) == 1 and len(mgr.take_page_copies()) == 0
-    idx = kv.page_indices(0)
+    assert copies.dst_index.tolist() == [dst] and len(mgr.take_page_copies()) == 0
     assert copies.life_cycle.tolist() == [0] and copies.dst_level.tolist() == [0] and copies.src_level.tolist() == [0]
-    assert copies.dst_index.tolist() == [int(idx[1])]  # the private tail page of block 1
     assert copies.src_index.tolist() != copies.dst_index.tolist()
     kv.close()
+
+
+def test_copies_decided_after_a_take_cut_short_come_after_its_own():
+    """Copies kept between a take cut short and the next one follow the
+    copies that take had taken: the order the engine carries them out in is
+    the order they were decided in."""
+    mgr = _tail_rig()
+    pages = mgr._pages
+    kv1, dst1 = _one_private_tail_copy(mgr)
+    receipt = object()
+    assert pages.take_copies(receipt).dst_index.tolist() == [dst1]  # taken, never returned
+    kv2, dst2 = _one_private_tail_copy(mgr)
+    pages.give_back(receipt)
+    assert mgr.take_page_copies().dst_index.tolist() == [dst1, dst2]
+    pages.give_back(receipt)  # a take that is over gives nothing back twice
+    assert len(mgr.take_page_copies()) == 0
+    kv1.close()
+    kv2.close()
 
 
 def test_page_copies_result():
