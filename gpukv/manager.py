@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from . import kernel_cache
+from . import kernel_cache, page_reads
 from .arena import TokenArena, TokenSequence
 from .core.backend import get_backend, quiet_simulator
 from .cache import CacheContext, KVCache, LogicError
@@ -262,6 +262,41 @@ class KVCacheManager:
         if self._obtainable[0] != launches:
             self._obtainable = (launches, self._tables.obtainable_pages())
         return int(self._obtainable[1][life_cycle_id, level])
+
+    @serialized("mgr.free_pages()")
+    def free_pages(self, life_cycle_id: int = 0, level: int = 0) -> int:
+        """Free storage slots of the life cycle's pool at a cache level: pages
+        never used or released, not merely evictable (``obtainable_pages``
+        adds those). An allocation that fits in them evicts nothing."""
+        self._check_pool(life_cycle_id, level)
+        return page_reads.free_pages(self._tables, life_cycle_id, level)
+
+    @serialized("mgr.page_indices_batch()")
+    def page_indices_batch(self, caches, life_cycle_id: int = 0, first_blocks=None) -> tuple:
+        """The pages of many caches in one read: ``(indices, offsets)``, where
+        ``indices[offsets[i]:offsets[i + 1]]`` equals
+        ``caches[i].page_indices(life_cycle_id)[first_blocks[i]:]`` (int32,
+        offsets int64 of length ``len(caches) + 1``; ``first_blocks`` None:
+        every block). An engine reads the blocks its requests gained in a step
+        this way, one transfer for the whole batch."""
+        self._check_pool(life_cycle_id, 0)
+        return page_reads.page_indices_batch(self._calls, caches, life_cycle_id, first_blocks)
+
+    @serialized("mgr.match_pages()")
+    def match_pages(self, block_rows, life_cycle_id: int = 0) -> tuple:
+        """``(indices, held)`` of matched tree blocks (``BatchMatch.blocks(i)``,
+        read while nothing changed the tree since the match): each block's GPU
+        page index in the life cycle's pool (-1: none, or on the host tier)
+        and whether a cache holds or locks that page (False: eviction may take
+        it). An engine counts from it what holding a hit would take off the
+        eviction lists before it holds anything."""
+        self._check_pool(life_cycle_id, 0)
+        rows = np.asarray(block_rows)
+        if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+            raise TypeError(f"block_rows must be a 1-D array of tree block rows, got {rows.dtype} of shape {rows.shape}")
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= self._tables.num_rows):
+            raise ValueError(f"block_rows must be tree block rows in 0..{self._tables.num_rows - 1}")
+        return page_reads.match_pages(self._tables, rows, life_cycle_id)
 
     def take_page_copies(self) -> PageCopies:
         """The page data copies the engine must carry out, decided since the

@@ -282,6 +282,38 @@ def test_admissions_sharing_a_hit_count_it_once():
     assert results[0] == results[1] == [True, True, 0]
 
 
+def test_lookups_ahead_match_the_waiting_head_in_one_match_and_stay_exact(monkeypatch):
+    """``lookup_ahead`` (what ``GpukvScheduler.schedule`` announces): the first
+    lookup matches the whole waiting head in one gpukv match, the others are
+    answered from it, and an answer the tree has changed under is matched
+    again, so every lookup equals stock vLLM's."""
+    ref, m = managers(num_blocks=40)
+    prefix = list(range(3, 3 + 4 * T))
+    for mgr in (ref, m):
+        first = make_request("p", prefix + [1], 4)
+        admit(mgr, first)
+        mgr.free(first)
+    waiting = [make_request(f"w{i}", prefix[: (i + 1) * T] + list(range(700 + 50 * i, 700 + 50 * i + 2 * T + 1)), 4)
+               for i in range(4)]
+    gk = m.gpukv
+    matches = []
+    real = gk.match_batch
+    monkeypatch.setattr(gk, "match_batch", lambda *a, **k: matches.append(1) or real(*a, **k))
+    m.lookup_ahead(waiting, len(waiting))
+    got = [m.get_computed_blocks(r)[1] for r in waiting[:3]]
+    assert got == [ref.get_computed_blocks(r)[1] for r in waiting[:3]] == [T, 2 * T, 3 * T]
+    assert len(matches) == 1
+    # Another request caches w3's continuation: the tree changed where w3
+    # would hit, so its answer from the first match (4 blocks) is stale.
+    for mgr in (ref, m):
+        q = make_request("q", waiting[3].all_token_ids[: 6 * T] + [5], 4)
+        admit(mgr, q)
+        mgr.get_block_ids("q")  # gpukv issues the queued calls
+    before = len(matches)
+    assert m.get_computed_blocks(waiting[3])[1] == ref.get_computed_blocks(waiting[3])[1] == 6 * T
+    assert len(matches) == before + 1
+
+
 def test_unsupported_features_are_refused_by_name():
     spec = FullAttentionSpec(block_size=T, num_kv_heads=1, head_size=1, dtype=torch.float32)
     swa = SlidingWindowSpec(block_size=T, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64)

@@ -26,12 +26,13 @@ KV cache group, KV cache groups other than full attention.
 
 from __future__ import annotations
 
+from itertools import chain, islice
+
 import numpy as np
 
 from .blocks import BlockIds, kv_cache_blocks_types
 from .config import gpukv_config, unsupported, validate
 from .events import EventLog
-from .index_reads import match_pages
 from .scope import scope_of
 from .step import RequestState, StepCalls
 from .views import BlockPoolView, CoordinatorView, SingleTypeView
@@ -116,6 +117,9 @@ class GpukvKVCacheManager:
         self._group = SingleTypeView(spec, cfg.block_size, self.block_pool, cfg.enable_caching)
         self.coordinator = CoordinatorView(self._group, self.block_pool, self._blocks_to_allocate)
         self._requests: dict[str, RequestState] = {}
+        self._waiting = None  # the scheduler's waiting queue (lookup_ahead), or None: one match per lookup
+        self._lookahead_depth = 0
+        self._ahead: dict = {}  # request id -> a lookup matched ahead (_lookup's tuple)
         self._step = StepCalls(
             self._gk, cfg.block_size, self._ids, self._events, self._group.num_cached_block, cfg.needs_zeroing,
             track_fresh=cfg.partial_reuse,
@@ -180,24 +184,17 @@ class GpukvKVCacheManager:
         self._check_request(request)
         if self._step.dirty and self._step.affects(request):
             self._flush()  # the tree as vLLM's cache is now, where it matters to this request
-        T = self._T
-        limit = request.num_tokens - 1 if max_cache_hit_length is None else min(max_cache_hit_length, request.num_tokens)
-        if not self.partial_reuse:
-            # vLLM looks up hashed full blocks only.
-            limit = min(limit, len(request.block_hashes) * T) // T * T
+        limit = self._lookup_limit(request, max_cache_hit_length)
         if limit <= 0:
             return self.empty_kv_cache_blocks, 0, 0
-        # One int32 array: gpukv converts a list token by token, and the
-        # admission creates the cache from a slice of the same array.
-        tokens = np.fromiter(request.all_token_ids[:limit], dtype=np.int32, count=limit)
-        m = self._gk.match_batch([tokens], scopes=scope_of(request)).to_host()
-        hit = int(m.num_tokens[0])
-        if not self.partial_reuse:
-            hit = hit // T * T
+        found = self._ahead.pop(request.request_id, None)
+        if found is None or found[0] is not request or found[1] != limit or found[2] != self._step.version:
+            found = self._lookup(request, limit)
+        hit, rows, tokens = found[3:]
+        T = self._T
         if hit == 0:
             return self.empty_kv_cache_blocks, 0, 0
-        rows = np.asarray(m.block_ids[: _cdiv(hit, T)], dtype=np.int64)
-        if hit % T and self._step.fresh[match_pages(self._gk, rows[-1:])[0][0]]:
+        if hit % T and self._step.fresh[self._gk.match_pages(rows[-1:])[0][0]]:
             # The block the hit ends in was cached this step: its KV is written
             # by this step's forward, after the copy that would share it runs.
             # Reuse its whole blocks only (those are read after they are written).
@@ -209,9 +206,65 @@ class GpukvKVCacheManager:
             self._events.reused(request, hit // T)
         return self._HitBlocks(self._hit_pages, rows, hit, tokens[:hit]), hit, 0
 
+    def _lookup_limit(self, request, max_cache_hit_length: int | None) -> int:
+        """The most tokens a lookup of ``request`` may hit."""
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else min(max_cache_hit_length, request.num_tokens)
+        if not self.partial_reuse:
+            # vLLM looks up hashed full blocks only.
+            limit = min(limit, len(request.block_hashes) * self._T) // self._T * self._T
+        return limit
+
+    def lookup_ahead(self, waiting, depth: int) -> None:
+        """The scheduler's waiting queue, in its scheduling order, and how many
+        of its first requests the coming step could admit. The step's first
+        lookup then matches all of them that need one in one gpukv match, and
+        the lookups after it are answered from that match while no gpukv call
+        was issued since and none queued could change their answer (the same
+        rule as a lookup on its own: ``StepCalls.affects``)."""
+        self._waiting = waiting
+        self._lookahead_depth = max(int(depth), 0)
+
+    def _lookup(self, request, limit: int) -> tuple:
+        """Match ``request`` (and the waiting head announced by ``lookup_ahead``)
+        in one gpukv match: ``(request, limit, version, hit, rows, tokens)``."""
+        batch = [(request, limit)]
+        if self._waiting is not None and self._lookahead_depth > 1:
+            for r in islice(self._waiting, self._lookahead_depth):
+                if r is request or r.num_computed_tokens or not self.prefix_cache_lookup_enabled(r):
+                    continue
+                if r.mm_features or r.prompt_embeds is not None:
+                    continue  # refused when it is looked up itself
+                n = self._lookup_limit(r, None)
+                if n > 0:
+                    batch.append((r, n))
+        counts = [n for _, n in batch]
+        # One int32 array: gpukv converts a list token by token, and the
+        # admission creates the cache from a slice of the same array.
+        tokens = np.fromiter(
+            chain.from_iterable(r.all_token_ids[:n] for r, n in batch), dtype=np.int32, count=sum(counts),
+        )
+        offsets = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        m = self._gk.match_batch((tokens, offsets), scopes=[scope_of(r) for r, _ in batch]).to_host()
+        T = self._T
+        version = self._step.version
+        hits = m.num_tokens.tolist()
+        block_starts = m.block_offsets.tolist()
+        self._ahead = {}
+        for i, (r, n) in enumerate(batch):
+            hit = hits[i] if self.partial_reuse else hits[i] // T * T
+            start = block_starts[i]
+            rows = np.asarray(m.block_ids[start:start + _cdiv(hit, T)], dtype=np.int64)
+            entry = (r, n, version, hit, rows, tokens[offsets[i]:offsets[i] + hit])
+            if i == 0:
+                found = entry
+            else:
+                self._ahead[r.request_id] = entry
+        return found
+
     def _hit_pages(self, rows: np.ndarray):
         """The block objects and held flags of matched tree blocks, as the tree is now."""
-        pages, held = match_pages(self._gk, rows)
+        pages, held = self._gk.match_pages(rows)
         return self._ids.of_pages(pages), held
 
     def estimate_cached_tokens(self, request) -> int:
@@ -327,7 +380,7 @@ class GpukvKVCacheManager:
             # nothing moves that vLLM would not have moved) and count exactly.
             self._flush()
             free = self._step.obtainable()
-            evictable = int(np.count_nonzero(~match_pages(self._gk, hit_blocks.rows)[1])) if held_blocks else 0
+            evictable = int(np.count_nonzero(~self._gk.match_pages(hit_blocks.rows)[1])) if held_blocks else 0
             if not fits(evictable, free):
                 return None
         state = RequestState(

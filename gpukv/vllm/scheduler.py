@@ -64,6 +64,13 @@ class _GpukvSchedulerMixin:
         with _builds_gpukv_manager(self.partial_reuse):
             super().__init__(vllm_config, *args, **kwargs)
 
+    def schedule(self, *args, **kwargs):
+        # The step's prefix lookups in one gpukv match: the waiting requests
+        # the step could admit at most (those past the running limit wait).
+        free = self.max_num_active_reqs - len(self.running)
+        self.kv_cache_manager.lookup_ahead(self.waiting, min(free, len(self.waiting)))
+        return super().schedule(*args, **kwargs)
+
 
 class GpukvScheduler(_GpukvSchedulerMixin, Scheduler):
     """vLLM's ``Scheduler`` on gpukv's KV cache manager."""

@@ -42,7 +42,6 @@ from itertools import chain
 import numpy as np
 
 from .blocks import BlockIds, ids_of_pages, pages_of_ids
-from .index_reads import free_pages
 
 
 class RequestState:
@@ -96,6 +95,7 @@ class StepCalls:
         self.fresh = np.zeros(num_pages, dtype=bool) if track_fresh else None
         self._fresh_pages: list[np.ndarray] = []
         self._obtainable = None
+        self.version = 0  # gpukv calls issued: a lookup matched at one version holds while it stays
 
     @property
     def dirty(self) -> bool:
@@ -111,12 +111,13 @@ class StepCalls:
     def changed(self) -> None:
         """A gpukv call outside the queue changed the pool."""
         self._obtainable = None
+        self.version += 1
 
     def affects(self, request) -> bool:
         """Could the queued calls change what a lookup of ``request`` finds?"""
         if self.closes:
             return True
-        if self.pending_new and self.pending_new > free_pages(self._gk):
+        if self.pending_new and self.pending_new > self._gk.free_pages():
             return True  # a queued allocation evicts: maybe a block this request would hit
         hashes = request.block_hashes
         n = len(hashes)
@@ -158,6 +159,7 @@ class StepCalls:
     def flush(self) -> None:
         """Issue everything queued, in the order it was decided."""
         self._obtainable = None
+        self.version += 1
         if self.alloc:
             self._issue_allocations()
         if self.commits:
@@ -168,7 +170,7 @@ class StepCalls:
 
     def _issue_allocations(self) -> None:
         alloc, self.alloc = self.alloc, []
-        evicts = self.pending_new > free_pages(self._gk)
+        evicts = self.pending_new > self._gk.free_pages()
         self.pending_new = self.pending_hits = 0
         T = self._T
         if evicts:
@@ -203,9 +205,7 @@ class StepCalls:
                 )
             for s in run:
                 s.in_alloc = False
-                # An admission's blocks are its hit's and new ones; only the new
-                # pages come from the free list or eviction.
-                self._take_new_blocks(s, s.hit // T if id(s) in admitted else len(s.ids))
+            self._take_new_blocks(run, admitted)
         if copies:
             self._take_copies()
 
@@ -226,21 +226,33 @@ class StepCalls:
             bad = run[int(np.argmin(ok))]
             raise RuntimeError(f"gpukv refused to resume the new cache of request {bad.request.request_id!r}")
 
-    def _take_new_blocks(self, s: RequestState, first_new: int) -> None:
-        """Append the blocks the calls gave ``s`` to its block list; those
-        from ``first_new`` on are new pages."""
-        have = len(s.ids)
-        pages = s.kv.page_indices(0)[have:s.num_blocks].astype(np.int64)
+    def _take_new_blocks(self, run: list, admitted: set) -> None:
+        """Append the blocks the calls gave the run's requests to their block
+        lists, read for the whole run at once. An admission's blocks are its
+        hit's and new ones; only the new pages come from the free list or
+        eviction."""
+        have = [len(s.ids) for s in run]
+        pages, offsets = self._gk.page_indices_batch([s.kv for s in run], 0, have)
         if not len(pages):
             return
-        ids = ids_of_pages(pages)
-        s.blocks.extend(self._ids.of_pages(pages))
-        s.ids.extend(ids)
-        new = pages[first_new - have:]
-        if self._events is not None:
-            self._events.reallocated(new)
-        if self._record_new_ids:
-            self.new_block_ids.extend(ids[first_new - have:])
+        pages = pages.astype(np.int64)
+        all_ids = ids_of_pages(pages)
+        all_blocks = self._ids.of_pages(pages)
+        T = self._T
+        new_pages = []
+        for s, h, a, b in zip(run, have, offsets[:-1].tolist(), offsets[1:].tolist()):
+            if a == b:
+                continue
+            ids = all_ids[a:b]
+            s.blocks.extend(all_blocks[a:b])
+            s.ids.extend(ids)
+            first_new = max((s.hit // T if id(s) in admitted else h) - h, 0)
+            if first_new < b - a:
+                new_pages.append(pages[a + first_new:b])
+                if self._record_new_ids:
+                    self.new_block_ids.extend(ids[first_new:])
+        if self._events is not None and new_pages:
+            self._events.reallocated(np.concatenate(new_pages))
 
     def _take_copies(self) -> None:
         copies = self._gk.take_page_copies()
