@@ -8,6 +8,7 @@ given 0, 1, ... in order of first appearance in ``CacheConfig.layers``.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
@@ -203,14 +204,14 @@ class CacheConfig:
             seen.setdefault(life_cycle_of(spec, self.tokens_per_block), spec)
         return tuple(seen.values())
 
-    @property
+    @cached_property  # read by every call's checks: built once (the fields are frozen)
     def life_cycles(self) -> tuple[LifeCycle, ...]:
         seen: dict[LifeCycle, None] = {}
         for spec in self.layers:
             seen.setdefault(life_cycle_of(spec, self.tokens_per_block), None)
         return tuple(seen)
 
-    @property
+    @cached_property
     def ssm_life_cycle_id(self) -> int | None:
         for i, lc in enumerate(self.life_cycles):
             if is_checkpoint(lc.kind):
