@@ -67,7 +67,7 @@ from .core.scope import ReuseScope, as_scope
 from .kernels.seq import SEQ_CLOSE, SEQ_COMMIT, SEQ_RESIZE, SEQ_RESUME, SEQ_SETUP_REUSE, SEQ_STOP, SEQ_SUSPEND
 from .kernels.sha256 import digest_to_int64x4
 from .launcher import BusyError, LogicError
-from .tables import log_tokens_rows_for
+from .tables import LOG_MIN_ROWS, log_rows_for, log_rows_per_block, log_tokens_rows_for
 from .tokens import ValidTokens, check_flat, flatten, token_array, tokens_and_digests
 
 _slot_of = attrgetter("_slot")
@@ -96,10 +96,6 @@ def _at(value, i: int):
 
 def _total(value) -> int:
     return int(value.sum()) if type(value) is _ARRAY else int(value)
-
-
-def _totals(*values) -> list:
-    return [int(v.sum()) if type(v) is _ARRAY else int(v) for v in values]
 
 
 def _max(a, b):
@@ -421,7 +417,7 @@ class CacheCalls:
                 starts = _offsets(np.fromiter(map(len, arrays), dtype=np.int64, count=n))[:-1]
                 flat = np.concatenate(arrays).astype(np.int32, copy=False)[ranges(starts[go], matched[go])]
                 path = np.asarray(m.block_ids, dtype=np.int64)[ranges(np.asarray(m.block_offsets)[go], nblocks[go])]
-                self._launch(None, slots[go], SEQ_SETUP_REUSE, (matched[go], nblocks[go]), span=_total(nblocks[go]),
+                self._launch(None, slots[go], SEQ_SETUP_REUSE, (matched[go], nblocks[go]), span=nblocks[go],
                              tokens=flat, tokens_off=_offsets(matched[go]), path=path, path_off=_offsets(nblocks[go]))
             if queries is not None:
                 stats = self._stats()
@@ -438,8 +434,7 @@ class CacheCalls:
 
     def _resume(self, naming, slots):
         (nb,) = self._scalars(slots, Q_NUM_BLOCKS)
-        self._launch(naming, slots, SEQ_RESUME, priorities=nb, span=_total(nb),
-                     allocated=_total(nb) + 2 * _count(slots))
+        self._launch(naming, slots, SEQ_RESUME, priorities=nb, span=nb, allocated=nb + 2)
         return self.pool.host_scalars[slots, Q_RESULT] != 0
 
     def _resize(self, naming, slots, cap, hist):
@@ -467,8 +462,8 @@ class CacheCalls:
         s, c, h, have, blocks = picked
         k = self.pool.scratch_width
         self._launch(naming, s, SEQ_RESIZE, (c, h), segment=blocks, priorities=blocks,
-                     span=_total(_max(have, blocks)),  # the old blocks (stale ones, a shrink) and the new
-                     allocated=_total(_max(0, blocks - have)) + _count(s) * (k + 1))
+                     span=_max(have, blocks),  # the old blocks (stale ones, a shrink) and the new
+                     allocated=_max(0, blocks - have) + k + 1)
         done = self.pool.host_scalars[s, Q_RESULT] != 0
         if go is None:
             return done
@@ -521,9 +516,8 @@ class CacheCalls:
         # The rest only raise their history: per life cycle at most the
         # blocks that many tokens make stale.
         span = _where(grows, blocks, count // T + 2)
-        rows, announced, span, commits = _totals(rows, announced, span, some)
-        self._launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end), rows=rows,
-                     announced=announced, span=span, allocated=2 * commits, tokens=flat,
+        self._launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end), rows=_total(rows),
+                     announced=announced, span=span, allocated=2 * some, tokens=flat,
                      tokens_off=_offsets(count) if is_batch(count) else None)
 
     def _close(self, slots, evict_first, caches):
@@ -531,7 +525,7 @@ class CacheCalls:
         KVCache of each slot, which leaves the open set)."""
         (nb,) = self._scalars(slots, Q_NUM_BLOCKS)
         self._launch(None, slots, SEQ_CLOSE, (evict_first,), rows=_STOP_ROWS * _count(slots),
-                     announced=_total(_stop_announced(nb)), span=_total(nb), closing=caches)
+                     announced=_stop_announced(nb), span=nb, closing=caches)
 
     # -- the launch ---------------------------------------------------------------------------
     def _launch(self, naming, slots, op, args=(), *, segment=None, priorities=None, rows=0, announced=0, span=0,
@@ -542,15 +536,23 @@ class CacheCalls:
         ``segment``: block rows each cache's segment needs; ``priorities``:
         the ordinals each may create pages for (its callback is asked first of
         all, so a raising callback or a bad value changes nothing); ``rows``:
-        free block rows the tree may take; ``announced``: change-log token
-        rows (blocks announced); ``span``: the blocks of theirs the calls may
-        touch, in all, and ``allocated``: the GPU pages they may allocate per
-        life cycle (each may evict a victim), which with each cache's scratch
-        size the change log (not the caches' whole segments: a decode step
-        touches a block or two of each, and sizing the log for every segment
-        made it grow with the batch's total length). ``tokens`` / ``path``:
-        the kernel's input (``CachePool.launch``); ``closing``: the caches
-        that close, leaving the open set."""
+        free block rows the tree may take, in all; and for each cache (an int
+        for one, an int or an array for many) ``announced``: change-log token
+        rows (blocks announced); ``span``: the blocks of its own the call may
+        touch, and ``allocated``: the GPU pages it may allocate per life cycle
+        (each may evict a victim), which with its scratch size the change log
+        (not the caches' whole segments: a decode step touches a block or two
+        of each, and sizing the log for every segment made it grow with the
+        batch's total length). ``tokens`` / ``path``: the kernel's input
+        (``CachePool.launch``); ``closing``: the caches that close, leaving
+        the open set.
+
+        A batch whose change log would not fit the budget
+        (``tables.CHANGE_LOG_BUDGET``) runs as consecutive launches over
+        consecutive caches, each within it: the kernel runs the calls in
+        order, so the tables, the events and the results are those of one
+        launch. A single cache beyond the budget gets its own launch, with a
+        log sized for it."""
         pool = self.pool
         asked = () if priorities is None else self._ask_priorities(naming, slots, priorities)
         if segment is not None:
@@ -560,9 +562,49 @@ class CacheCalls:
         tables = self.tables
         if rows:
             tables.ensure_free_blocks(rows)
-        if announced:
-            tables.ensure_log_tokens(announced)
-        tables.ensure_log(span + _count(slots) * (pool.scratch_width + 8) + allocated)
+        blocks = span + (pool.scratch_width + 8) + allocated  # per cache
+        if type(slots) is _ARRAY:
+            blocks, announced = np.broadcast_to(blocks, slots.shape), np.broadcast_to(announced, slots.shape)
+            log_rows, token_rows = tables.log_budget
+            if len(slots) > 1 and (_total(announced) > token_rows
+                                   or log_rows_for(_total(blocks), _total(announced), self.L) > log_rows):
+                ends = self._launches(blocks, announced, log_rows, token_rows)
+                for i, j in zip(ends[:-1].tolist(), ends[1:].tolist()):
+                    part = lambda v: v[i:j] if type(v) is _ARRAY else v  # noqa: E731 (one column of the launch's caches)
+                    t_part = t_off = p_part = p_off = None
+                    if tokens is not None:
+                        t_part, t_off = tokens[tokens_off[i]:tokens_off[j]], tokens_off[i:j + 1] - tokens_off[i]
+                    if path is not None:
+                        p_part, p_off = path[path_off[i]:path_off[j]], path_off[i:j + 1] - path_off[i]
+                    self._run(slots[i:j], part(op), tuple(map(part, args)), _total(part(blocks)),
+                              _total(part(announced)), t_part, t_off, p_part, p_off,
+                              None if closing is None else closing[i:j])
+                return
+        self._run(slots, op, args, _total(blocks), _total(announced), tokens, tokens_off, path, path_off, closing)
+
+    def _launches(self, blocks, announced, log_rows: int, token_rows: int) -> np.ndarray:
+        """Where consecutive launches over the caches start (and the last
+        ends): as many caches each as fit ``log_rows`` change-log rows and
+        ``token_rows`` token rows, at least one (``log_rows_for`` per cache,
+        its constant once per launch)."""
+        per_block = log_rows_per_block(self.L)
+        room = log_rows - (per_block * 2 + LOG_MIN_ROWS)
+        cost = _offsets(per_block * blocks + (self.L + 1) * announced)
+        tok = _offsets(announced)
+        n = len(blocks)
+        ends = [0]
+        while ends[-1] < n:
+            i = ends[-1]
+            j = min(int(np.searchsorted(cost, cost[i] + room, "right")), int(np.searchsorted(tok, tok[i] + token_rows, "right"))) - 1
+            ends.append(min(n, max(j, i + 1)))
+        return np.array(ends)
+
+    def _run(self, slots, op, args, blocks: int, announced: int, tokens, tokens_off, path, path_off, closing):
+        """One launch: the change log's room (``blocks`` in all, ``announced``
+        blocks), the kernel arguments, the kernel, the caches' scalars back."""
+        pool = self.pool
+        tables = self.tables
+        tables.ensure_log(blocks, announced)
         pool.set_args(slots, args)
         open_caches = self.open_caches
 

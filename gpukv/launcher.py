@@ -13,7 +13,9 @@ kernels that only read, the matcher (``matching.py``):
                 2. copies: the page data copies the kernel recorded, carried
                    out in order by the copy executor (``PageMemory``)
                 3. log: the change records, to the event manager (and to a
-                   test's ``log_sink``)
+                   test's ``log_sink``), with the removals the kernel
+                   retired rows for put in their places (``with_removals``);
+                   then the freed rows go back on the free stack
                 4. errors: a kernel that had to stop raises ``TreeError``
 
 The aftermath is resumable. A device counter (copies, log) is reset only after
@@ -47,7 +49,25 @@ import threading
 import numpy as np
 
 from . import kernel_cache
-from .core.layout import CNT_ERROR, CNT_LOG_LEN, CNT_LOG_TOKENS_LEN, CNT_NUM_COPIES, ERR_NONE
+from .core.layout import (
+    CNT_ERROR,
+    CNT_LOG_LEN,
+    CNT_LOG_TOKENS_LEN,
+    CNT_NUM_COPIES,
+    CNT_RETIRED,
+    ERR_NONE,
+    EV_REMOVED,
+    EV_ROOT_REMOVED,
+    LOG,
+    LOG_BLOCK,
+    LOG_DIGEST,
+    LOG_KIND,
+    LOG_LIFE_CYCLE,
+    NULL,
+    RETIRED_FREED,
+    RETIRED_REMOVED,
+    RETIRED_ROOT_REMOVED,
+)
 
 
 class LogicError(RuntimeError):
@@ -230,6 +250,7 @@ class Launcher:
         self._results = None  # the pending launch's results step
         self._log_fed = np.zeros(1, dtype=np.int64)  # records the event manager consumed
         self._log_sunk = 0  # records the log sink received
+        self._drained = None  # the pending launch's records, freed rows: read once, kept until done
 
     def launch(self, kernel, *args, results=None) -> None:
         """``kernel(tables, *args)``, then its aftermath (the kernels find
@@ -271,15 +292,25 @@ class Launcher:
         if self.copier is not None:
             self.copier.rewind()  # after the reset: a reset count with a stale cursor reads as done
         n = int(counters[CNT_LOG_LEN])
-        if n:
-            records, tokens = t.read_log(n, int(counters[CNT_LOG_TOKENS_LEN]))
-            if self.log_sink is not None and self._log_sunk < n:
+        if n or int(counters[CNT_RETIRED]):
+            if self._drained is None:
+                # Read once: returning the freed rows may overwrite the
+                # retired list, so a resumed aftermath uses this copy.
+                records, tokens = t.read_log(n, int(counters[CNT_LOG_TOKENS_LEN]))
+                rows, kinds, at, digests = t.read_retired(int(counters[CNT_RETIRED]))
+                self._drained = (with_removals(records, rows, kinds, at, digests), tokens,
+                                 rows[kinds != RETIRED_REMOVED])
+            records, tokens, freed = self._drained
+            m = len(records)
+            if self.log_sink is not None and self._log_sunk < m:
                 self.log_sink.extend(records[self._log_sunk:])
-                self._log_sunk = n
-            if self.events is not None:
+                self._log_sunk = m
+            if self.events is not None and m:
                 self.events.on_records(records, tokens, progress=self._log_fed)
             t.counters[CNT_LOG_LEN] = 0
             t.counters[CNT_LOG_TOKENS_LEN] = 0
+            t.return_rows(freed)
+        self._drained = None
         self._log_sunk = 0
         self._log_fed[0] = 0
         err = int(counters[CNT_ERROR])
@@ -287,3 +318,20 @@ class Launcher:
         self.pending = False
         if err != ERR_NONE:
             raise TreeError(f"tree kernel stopped with error code {err}")
+
+
+def with_removals(records: np.ndarray, rows, kinds, at, digests) -> np.ndarray:
+    """The launch's log ``records`` with a removal record for each retired row
+    that reports one (``layout.RETIRED_*``), each before the record that was
+    ``at`` its log position, in the order they were retired: the records a
+    log that held removals too would have."""
+    report = kinds != RETIRED_FREED
+    if not report.any():
+        return records
+    rows, kinds, at, digests = rows[report], kinds[report], at[report], digests[report]
+    removed = np.zeros((rows.size, LOG.width), dtype=np.int64)
+    removed[:, LOG_KIND] = np.where(kinds == RETIRED_ROOT_REMOVED, EV_ROOT_REMOVED, EV_REMOVED)
+    removed[:, LOG_LIFE_CYCLE] = NULL
+    removed[:, LOG_BLOCK] = rows
+    removed[:, LOG_DIGEST:LOG_DIGEST + 4] = digests
+    return np.insert(records.reshape(-1, LOG.width), at, removed, axis=0)  # ties keep their order

@@ -9,8 +9,11 @@ of a manager's actual arrays, table by table.
 With ``CacheConfig.max_blocks`` set, the tables are allocated at these sizes
 at construction and never grow, so the figure is the index's whole footprint
 for the manager's life. With ``max_blocks=None`` the block-indexed tables
-start at 256 rows and double as the tree grows, and the change log grows with
-the widest call; pass ``blocks=`` for the size at a given row count.
+start at 256 rows and double as the tree grows, and the change log grows on
+demand up to its budget; pass ``blocks=`` for the size at a given row count.
+Either way the change log is kept within ``tables.CHANGE_LOG_BUDGET`` bytes,
+whatever the number of blocks; only one cache's call beyond it (a commit
+over more blocks than the budget covers) takes more, for its launch.
 
 Not counted here: page memory (``page_bytes > 0``: one ``[pages,
 page_bytes]`` array per life cycle and cache level), the token arena of
@@ -66,8 +69,8 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
       (its layout width, int64), ``page_free`` and ``row_free`` (int64) and
       the copy list (``3P + 16`` records);
     - the change log (``log``, ``log_tokens``), at the sizes
-      ``tables.preallocated_sizes`` gives (with ``max_blocks``: a call over
-      that many blocks, every row in use);
+      ``tables.preallocated_sizes`` gives (with ``max_blocks``: its budget,
+      ``tables.log_budget``; without, the rows it starts with);
     - the eviction lists: one per (life cycle, level, held or not,
       priority), and a count row per (life cycle, level, held or not);
     - small per-life-cycle and per-pool arrays, the counters, the policy

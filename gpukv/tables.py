@@ -30,6 +30,7 @@ from .kernels.keys import sibling_hash_np
 from .kernels.lru import NUM_HELD, NUM_PRIORITIES
 from .kernels.tree import NUM_LEVELS
 from .core.layout import (
+    BLK_DIGEST,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
@@ -39,6 +40,7 @@ from .core.layout import (
     CNT_BLOCK_FREE_TOP,
     CNT_LOG_LEN,
     CNT_LOG_TOKENS_LEN,
+    CNT_RETIRED,
     COPY_WIDTH,
     COUNTERS,
     FLAG_ATTACHED,
@@ -58,6 +60,7 @@ from .core.layout import (
     POLICY_SCRATCH_REWIND,
     POLICY_STABLE_PAGES,
     POLICY_WIDTH,
+    RETIRED_ROW_BITS,
     SLOTS,
 )
 
@@ -96,23 +99,42 @@ DeviceTables = namedtuple(
 
 _DEVICE_FIELDS = frozenset(DeviceTables._fields)
 INITIAL_BLOCK_ROWS = 256
-LOG_MIN_ROWS = 256
+LOG_MIN_ROWS = 256  # slack of every launch's change-log room, and where the log starts without max_blocks
 LOG_TOKENS_MIN_ROWS = 64
 UNKNOWN_DIGEST = -(2**31)  # stands for any digest no block holds
 
+# Bytes the change log (``log`` and ``log_tokens``) is kept within, whatever
+# ``max_blocks`` is: a call whose worst case needs more runs as consecutive
+# launches that each fit (``batch.CacheCalls._launch``), which is exact since
+# the calls of a batch run in order. A quarter goes to the announced tokens.
+CHANGE_LOG_BUDGET = 4 << 20
+LOG_BUDGET_MIN_ROWS = 4 * LOG_MIN_ROWS  # the least any budget gives: the slack and some room
+
 
 class IndexFullError(RuntimeError):
-    """A call needs more room than ``CacheConfig.max_blocks`` preallocated
-    (block rows, or the change log of one call over that many blocks). The
-    call is refused before it changes anything."""
+    """A call needs more block rows than ``CacheConfig.max_blocks``
+    preallocated. The call is refused before it changes anything."""
 
 
-def log_rows_for(live: int, blocks: int, log_tokens_rows: int, num_life_cycles: int) -> int:
-    """Change-log rows one launch may need (``Tables.ensure_log``): ``live``
-    block rows in use, an operation on up to ``blocks`` blocks, and
-    ``log_tokens_rows`` announced blocks."""
+def log_budget(tokens_per_block: int) -> tuple[int, int]:
+    """``(log rows, log_tokens rows)`` that ``CHANGE_LOG_BUDGET`` buys."""
+    row = max(1, tokens_per_block) * np.dtype(np.int32).itemsize
+    tokens_rows = max(LOG_TOKENS_MIN_ROWS, CHANGE_LOG_BUDGET // 4 // row)
+    log_rows = max(LOG_BUDGET_MIN_ROWS, (CHANGE_LOG_BUDGET - tokens_rows * row) // (LOG.width * LOG.dtype.itemsize))
+    return int(log_rows), int(tokens_rows)
+
+
+def log_rows_for(blocks: int, announced: int, num_life_cycles: int) -> int:
+    """Change-log rows one launch may need (``Tables.ensure_log``): an
+    operation on up to ``blocks`` blocks announcing up to ``announced``
+    blocks. Removals take none (they are retired rows, ``layout.RETIRED_*``)."""
     L = num_life_cycles
-    return live + 3 * (blocks + 2) + 4 * L * (blocks + 2) + (L + 1) * log_tokens_rows + LOG_MIN_ROWS
+    return (1 + 4 * L) * (blocks + 2) + (L + 1) * announced + LOG_MIN_ROWS
+
+
+def log_rows_per_block(num_life_cycles: int) -> int:
+    """What each block of ``log_rows_for`` adds (the rest is a launch's constant)."""
+    return 1 + 4 * num_life_cycles
 
 
 def log_tokens_rows_for(blocks: int, num_life_cycles: int) -> int:
@@ -129,26 +151,15 @@ def scratch_width(config: CacheConfig) -> int:
 
 
 def preallocated_sizes(config: CacheConfig) -> dict:
-    """The row counts the tables start with: with ``max_blocks`` every table
-    at the size it may ever need, so none grows (``index_memory`` reports
-    the bytes). ``blocks``: block rows; ``log`` and ``log_tokens``: the
-    change log sized for a launch over ``blocks`` blocks with every row in use
-    (``launch_blocks`` below)."""
-    L = len(config.life_cycles)
-    mb = config.max_blocks
-    if mb is None:
+    """The row counts the tables start with: with ``max_blocks`` the block
+    tables at the size they may ever need, so none grows (``index_memory``
+    reports the bytes). ``blocks``: block rows; ``log`` and ``log_tokens``:
+    the change log, at its budget with ``max_blocks`` (``log_budget``), else
+    small, growing up to the budget."""
+    if config.max_blocks is None:
         return {"blocks": INITIAL_BLOCK_ROWS, "log": LOG_MIN_ROWS, "log_tokens": LOG_TOKENS_MIN_ROWS}
-    tokens_rows = max(LOG_TOKENS_MIN_ROWS, log_tokens_rows_for(mb, L))
-    pools = [g + h for g, h in zip(config.pages_per_life_cycle_list(), config.pages_per_life_cycle_list(host=True))]
-    # The widest launch: a cache's call over its blocks, the doubled arrays
-    # they sit in, the pages it may allocate and its scratch slots
-    # (``batch.CacheCalls._launch``), or a tree operation over one pool's pages.
-    launch_blocks = 3 * mb + max(pools) + 2 * scratch_width(config) + 16
-    return {
-        "blocks": mb,
-        "log": log_rows_for(mb, launch_blocks, tokens_rows, L),
-        "log_tokens": tokens_rows,
-    }
+    log_rows, tokens_rows = log_budget(config.tokens_per_block)
+    return {"blocks": config.max_blocks, "log": log_rows, "log_tokens": tokens_rows}
 
 
 class Tables:
@@ -164,6 +175,7 @@ class Tables:
         self.num_life_cycles = L
         self.tokens_per_block = T
         self.max_blocks = config.max_blocks  # None: grow by doubling
+        self.log_budget = log_budget(T)  # (log rows, log_tokens rows) the change log is kept within
         sizes0 = preallocated_sizes(config)
         rows = sizes0["blocks"]
         self.blocks = xp.full((rows, BLOCKS.width), NULL, dtype=np.int64)
@@ -313,6 +325,10 @@ class Tables:
         # New rows go under the existing free entries, lowest popped first.
         block_free[:extra] = xp.arange(new - 1, old - 1, -1, dtype=np.int64)
         block_free[extra:extra + free] = self.block_free[:free]
+        # A launch whose aftermath is pending keeps its retired rows' entries at the end.
+        retired = int(self.counters_host()[CNT_RETIRED])
+        if retired:
+            block_free[new - retired:] = self.block_free[old - retired:]
         self.blocks, self.tokens, self.slots, self.block_free = blocks, tokens, slots, block_free
         self.counters[CNT_BLOCK_FREE_TOP] = free + extra
         self._rebuild_index(pow2_at_least(2 * new))
@@ -410,55 +426,85 @@ class Tables:
         return bytes(self.backend.to_host(self.mm_digests[-1 - token]))
 
     # -- the change log ----------------------------------------------------------
-    def ensure_log_tokens(self, blocks: int):
+    def ensure_log_tokens(self, blocks: int, kept: int | None = None):
         """Room for the tokens of ``blocks`` announced blocks in one launch
-        (keeping the rows of records not consumed yet)."""
-        have = self.log_tokens.shape[0]
-        if have < blocks:
-            if self.max_blocks is not None:
-                raise IndexFullError(
-                    f"this call announces up to {blocks} blocks, more than max_blocks={self.max_blocks} sized "
-                    f"the change log for ({have}); raise CacheConfig.max_blocks"
-                )
-            grown = self.xp.zeros((max(blocks, 2 * have), self.log_tokens.shape[1]), dtype=np.int32)
-            k = int(self.counters_host()[CNT_LOG_TOKENS_LEN])
-            grown[:k] = self.log_tokens[:k]
-            self.log_tokens = grown
+        (keeping the ``kept`` rows of records not consumed yet; None: read
+        from the counters)."""
+        k = int(self.counters_host()[CNT_LOG_TOKENS_LEN]) if kept is None else kept
+        self.log_tokens = self._sized(self.log_tokens, k + blocks, k, self.log_budget[1], np.int32, zero=True)
 
-    def ensure_log(self, blocks: int):
-        """Room in the change log for one launch of an operation on up to
-        ``blocks`` blocks (those it may create, and per life cycle the pages
-        it may allocate, release or move, with their eviction victims).
+    def ensure_log(self, blocks: int, announced: int = 0):
+        """Room in the change log, and in ``log_tokens``, for one launch of an
+        operation on up to ``blocks`` blocks (those it may create, and per
+        life cycle the pages it may allocate, release or move, with their
+        eviction victims) that announces up to ``announced`` blocks.
 
-        What one launch logs: one removal per row in use before it (a page
-        death can take a whole subtree, a clear takes everything; a root's
-        removal is its own row's record), and per block it creates a creation
-        and a removal (its root's too); per page it touches a death, or up to
-        two migrations (an allocation evicts a victim, and moving it to the
-        host tier may drop a host page); and an announcement with one page
-        info per life cycle for every row of ``log_tokens``. Records an earlier
-        launch left unconsumed (its aftermath was interrupted) stay in front
-        and count against the room."""
+        What one launch logs: per block it creates a creation (its root's
+        too); per page it touches a death, or up to two migrations (an
+        allocation evicts a victim, and moving it to the host tier may drop a
+        host page); and an announcement with one page info per life cycle
+        for every announced block. Removals are not logged but retired
+        (``layout.RETIRED_*``), so a page death that takes a whole subtree
+        needs no room here. Records an earlier launch left unconsumed (its
+        aftermath was interrupted) stay in front and count against the room.
+
+        Within the budget the log grows on demand; a launch that alone needs
+        more (one cache's call over more blocks than the budget covers) gets
+        it for that launch, and the next launch that needs less than the
+        budget gives it back."""
         counters = self.counters_host()
-        live = self.num_rows - int(counters[CNT_BLOCK_FREE_TOP])
         kept = int(counters[CNT_LOG_LEN])
-        L = self.num_life_cycles
-        rows = kept + log_rows_for(live, blocks, self.log_tokens.shape[0], L)
-        if self.log.shape[0] < rows:
-            if self.max_blocks is not None:
-                raise IndexFullError(
-                    f"this call spans up to {blocks} blocks and needs {rows} change-log rows, more than "
-                    f"max_blocks={self.max_blocks} sized the log for ({self.log.shape[0]}); raise CacheConfig.max_blocks"
-                )
-            grown = self.xp.empty((rows + rows // 4, LOG.width), dtype=np.int64)
-            grown[:kept] = self.log[:kept]
-            self.log = grown
+        self.ensure_log_tokens(announced, int(counters[CNT_LOG_TOKENS_LEN]))
+        rows = kept + log_rows_for(blocks, announced, self.num_life_cycles)
+        self.log = self._sized(self.log, rows, kept, self.log_budget[0], np.int64)
+
+    def _sized(self, table, rows: int, kept: int, budget: int, dtype, zero: bool = False):
+        """``table`` with room for ``rows`` rows, its first ``kept`` kept:
+        grown on demand (doubling, up to ``budget`` while that is enough),
+        and back to ``budget`` once a launch needs no more than it."""
+        have = table.shape[0]
+        if have >= rows and (have <= budget or rows > budget):
+            return table
+        if rows > budget:
+            new = rows  # one launch beyond the budget: just what it needs
+        elif self.max_blocks is not None or have > budget:
+            new = budget
+        else:
+            new = min(budget, max(rows, 2 * have))
+        make = self.xp.zeros if zero else self.xp.empty  # the kernels clear each record as they append it
+        grown = make((new,) + tuple(table.shape[1:]), dtype=dtype)
+        grown[:kept] = table[:kept]
+        return grown
 
     def read_log(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The first ``n`` log records and ``k`` announced token rows, as host
         copies; the log keeps them until the launcher resets its counters."""
         records = np.array(self.backend.to_host(self.log[:n]))
         return records, np.array(self.backend.to_host(self.log_tokens[:k]))
+
+    def read_retired(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The launch's first ``n`` retired rows (``layout.RETIRED_*``), in
+        order: ``(rows, kinds, log positions, digests)``, host copies; the
+        digests are read from the rows, which nothing reused since."""
+        if n == 0:
+            z = np.zeros(0, dtype=np.int64)
+            return z, z, z, np.zeros((0, 4), dtype=np.int64)
+        size = self.block_free.shape[0]
+        entries = np.array(self.backend.to_host(self.block_free[size - n:]))[::-1]
+        rows = entries & ((1 << RETIRED_ROW_BITS) - 1)
+        tag = entries >> RETIRED_ROW_BITS
+        digests = np.array(self.backend.to_host(self.blocks[self.backend.to_device(rows), BLK_DIGEST:BLK_DIGEST + 4]))
+        return rows, tag & 3, tag >> 2, digests.reshape(n, 4)
+
+    def return_rows(self, rows: np.ndarray) -> None:
+        """Push retired rows that were freed on the free stack, in the order
+        they were freed, and empty the retired list (the log counters are
+        the caller's). Repeatable: the stack top moves in the same store."""
+        top = int(self.counters_host()[CNT_BLOCK_FREE_TOP])
+        if rows.size:
+            self.block_free[top:top + rows.size] = self.backend.to_device(rows.astype(np.int64))
+        self.counters[self.backend.to_device(np.array([CNT_BLOCK_FREE_TOP, CNT_RETIRED]))] = self.backend.to_device(
+            np.array([top + rows.size, 0], dtype=np.int64))
 
     def read_copies(self, n: int) -> np.ndarray:
         """The first ``n`` recorded page data copies, as a host copy."""

@@ -152,12 +152,13 @@ class BlockTree:
         return {sid: entry.digest for sid, entry in self._scopes.items()}
 
     # -- kernel launch --------------------------------------------------------------
-    def _op(self, op: int, args=(), toks=None, pages: int = 0) -> np.ndarray:
+    def _op(self, op: int, args=(), toks=None, pages: int = 0, announced: int = 0) -> np.ndarray:
         """One tree kernel launch; ``pages`` bounds the pages per life cycle
-        it may allocate or free besides those of the blocks in ``toks``."""
+        it may allocate or free besides those of the blocks in ``toks``,
+        ``announced`` the blocks it may announce."""
         b = self.backend
         blocks = 0 if toks is None else -(-len(toks) // max(1, self.tables.tokens_per_block))
-        self.tables.ensure_log(blocks + pages)
+        self.tables.ensure_log(blocks + pages, announced)
         a = np.zeros(8, dtype=np.int64)
         a[: len(args)] = args
         t = np.zeros(max(1, self.tables.tokens_per_block), dtype=np.int32) if toks is None else toks
@@ -226,9 +227,8 @@ class BlockTree:
         sid = self.scope_id(scope, create=True)
         arr = self._interned(tokens, arr)
         self.tables.ensure_free_blocks(-(-arr.size // T) + 1)
-        self.tables.ensure_log_tokens(-(-arr.size // T) + 1)
         entry = self._scopes[sid]
-        out = self._op(OP_INSERT, (sid, entry.key, arr.size, 0, *entry.digest), arr)
+        out = self._op(OP_INSERT, (sid, entry.key, arr.size, 0, *entry.digest), arr, announced=-(-arr.size // T) + 1)
         return int(out[3])
 
     def _interned(self, tokens, arr: np.ndarray) -> np.ndarray:
@@ -255,8 +255,7 @@ class BlockTree:
         r = self.resolve(block)
         if lc != NULL:
             self._check_lc(lc)
-        self.tables.ensure_log_tokens(1)
-        self._op(OP_ANNOUNCE, (r, kind, lc))
+        self._op(OP_ANNOUNCE, (r, kind, lc), announced=1)
 
     def evict(self, lc: int, level: int, free: int) -> bool:
         """Evict from (lc, level) until it has ``free`` free slots (§2.11)."""

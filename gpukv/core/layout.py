@@ -159,8 +159,23 @@ COUNTERS = Layout(
         ("migrated", 1),  # ... of which moved to the host tier
         ("dropped", 1),  # pages dropped from their last cache level (they died)
         ("evict_first", 1),  # evict-first pushes so far (they take ticks below zero)
+        ("retired", 1),  # entries of the retired-row list of the current launch (below)
     ],
 )
+# Block rows a launch detaches or frees are retired, not reused in that launch:
+# each gets one entry at the end of ``block_free`` (the n-th at index
+# ``rows - 1 - n``), packed as ``(log position * 4 + kind) << 32 | row``, the
+# log position being the log's length when it happened. The row keeps its
+# digest until the host has drained the launch, so a removal costs no
+# change-log row (a page death may remove a whole subtree: a log sized for it
+# would be sized for every row). The host turns the entries into EV_REMOVED /
+# EV_ROOT_REMOVED records in their place among the log's, then pushes the
+# freed rows on the free stack. Between launches the list is empty.
+RETIRED_FREED = 0  # freed, nothing to report (an orphan whose last reference went, a childless root)
+RETIRED_REMOVED = 1  # detached, still referenced (an orphan): EV_REMOVED, not freed
+RETIRED_REMOVED_FREED = 2  # detached and freed: EV_REMOVED
+RETIRED_ROOT_REMOVED = 3  # a root that lost its last child, freed: EV_ROOT_REMOVED
+RETIRED_ROW_BITS = 32
 ERR_NONE = 0
 ERR_OUT_OF_BLOCKS = 1
 ERR_LOG_FULL = 2
@@ -387,6 +402,7 @@ CNT_EVICTED = 9
 CNT_MIGRATED = 10
 CNT_DROPPED = 11
 CNT_EVICT_FIRST = 12
+CNT_RETIRED = 13
 
 POLICY_COMMIT_MIN_SNAPSHOT = 0
 POLICY_SCRATCH_REWIND = 1

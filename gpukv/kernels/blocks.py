@@ -4,7 +4,9 @@ Creating blocks (``add_or_get`` with its duplicate, useless-partial and
 adoption rules; roots), detaching them, removing subtrees, the cleanup after a
 page of a block dies (what it removes is the life-cycle kind's rule,
 ``core/kinds.py``), and clearing the tree. Rows come from the free list the
-host keeps stocked, so nothing here grows a table. The order of steps is what
+host keeps stocked, so nothing here grows a table; a row detached or freed is
+retired until the launch is drained (``layout.RETIRED_*``), so its removal is
+reported from the row itself and costs no change-log row. The order of steps is what
 makes these correct ("insert before detaching the covered sibling", "unlink
 before the old page leaves the eviction controller"), so they run serially.
 """
@@ -17,6 +19,7 @@ from ..core.layout import (
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
+    BLK_HASH_NEXT,
     BLK_KEY,
     BLK_LAST_CHILD,
     BLK_NEXT_SIBLING,
@@ -33,13 +36,13 @@ from ..core.layout import (
     CNT_DETACHES,
     CNT_ERROR,
     CNT_LIVE_BLOCKS,
+    CNT_LOG_LEN,
+    CNT_RETIRED,
     CNT_SERIAL,
     ERR_NON_FULL_PARENT,
     ERR_OUT_OF_BLOCKS,
     EV_CREATED,
-    EV_REMOVED,
     EV_REMOVED_LIFE_CYCLE,
-    EV_ROOT_REMOVED,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
@@ -49,6 +52,11 @@ from ..core.layout import (
     PAGE_BLOCK,
     PAGE_COVERAGE,
     PAGE_LIFE_CYCLE,
+    RETIRED_FREED,
+    RETIRED_REMOVED,
+    RETIRED_REMOVED_FREED,
+    RETIRED_ROOT_REMOVED,
+    RETIRED_ROW_BITS,
 )
 from .link import helper
 from .index import (
@@ -91,12 +99,28 @@ def alloc_block(S):
 
 
 @helper
+def retire(S, r, kind):
+    """Row ``r`` joins the launch's retired rows (``layout.RETIRED_*``): the
+    host reports and frees it after the launch, so nothing reuses it (or its
+    digest) before then."""
+    n = S.counters[CNT_RETIRED]
+    S.block_free[S.block_free.shape[0] - 1 - n] = ((S.counters[CNT_LOG_LEN] * 4 + kind) << RETIRED_ROW_BITS) | r
+    S.blocks[r, BLK_HASH_NEXT] = n  # out of the index by now: where its entry is, for a free later in the launch
+    S.counters[CNT_RETIRED] = n + 1
+
+
+@helper
 def free_block_row(S, r):
+    """The row is free from the next launch on (the host pushes it)."""
     S.blocks[r, BLK_FLAGS] = 0
-    top = S.counters[CNT_BLOCK_FREE_TOP]
-    S.block_free[top] = r
-    S.counters[CNT_BLOCK_FREE_TOP] = top + 1
     S.counters[CNT_LIVE_BLOCKS] -= 1
+    n = S.blocks[r, BLK_HASH_NEXT]
+    i = S.block_free.shape[0] - 1 - n
+    if 0 <= n < S.counters[CNT_RETIRED] and (S.block_free[i] & ((1 << RETIRED_ROW_BITS) - 1)) == r:
+        # Detached earlier in this launch: its removal entry frees it too.
+        S.block_free[i] += (RETIRED_REMOVED_FREED - RETIRED_REMOVED) << RETIRED_ROW_BITS
+    else:
+        retire(S, r, RETIRED_FREED)
 
 
 @helper
@@ -162,11 +186,12 @@ def detach(S, r):
     S.blocks[r, BLK_PARENT] = NULL
     S.blocks[r, BLK_FLAGS] &= ~FLAG_ATTACHED
     S.counters[CNT_DETACHES] += 1
-    log(S, EV_REMOVED, r, NULL)
+    retire(S, r, RETIRED_REMOVED)  # EV_REMOVED, in its place among the log's records
     if is_root(S, parent) and S.blocks[parent, BLK_NUM_CHILDREN] == 0:
         index_remove(S, parent)
-        log(S, EV_ROOT_REMOVED, parent, NULL)
-        free_block_row(S, parent)
+        S.blocks[parent, BLK_FLAGS] = 0
+        S.counters[CNT_LIVE_BLOCKS] -= 1
+        retire(S, parent, RETIRED_ROOT_REMOVED)
     maybe_free_orphan(S, r)
 
 
