@@ -17,7 +17,7 @@ import hashlib
 
 import numpy as np
 
-from .link import helper, jit_group
+from .link import helper
 
 M1 = np.uint64(0x9E3779B97F4A7C15)
 M2 = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -96,11 +96,6 @@ def sibling_hash(parent, first_token):
     a prefix with a chunk are exactly those starting with its first token."""
     h = ((np.uint64(parent) * M1) ^ (np.uint64(first_token) & LOW32)) * M2
     return h ^ (h >> S32)
-
-
-def build_keys(jit):
-    """The key helpers compiled with ``jit`` (``backend.device_jit(target)``)."""
-    return jit_group(jit, [fmix64, pair, mix_in, content_hash, combine, sibling_hash])
 
 
 def sibling_hash_np(parents: np.ndarray, first_tokens: np.ndarray) -> np.ndarray:

@@ -96,18 +96,3 @@ def link(target: str) -> Linked:
             if _is_helper(v):
                 g[n] = table[v]
     return Linked(_table=table, target=target, **by_name)
-
-
-def jit_group(jit, functions):
-    """``functions`` compiled with ``jit``, calling each other's compiled copies
-    (for builders that take a decorator rather than a target)."""
-    table = {}
-    rebound: dict[str, dict] = {}
-    for f in functions:
-        g = rebound.setdefault(f.__module__, dict(f.__globals__))
-        table[f] = jit(types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__))
-    for g in rebound.values():
-        for n, v in list(g.items()):
-            if any(v is f for f in functions):
-                g[n] = table[v]
-    return types.SimpleNamespace(**{f.__name__: table[f] for f in functions})

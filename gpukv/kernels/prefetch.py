@@ -61,10 +61,3 @@ def prefetch1(arr, i):
 @helper(cpu=lambda: _cpu_intrinsics().prefetch2)
 def prefetch2(arr, i, j):
     """Ask for the cache line of ``arr[i, j]``; on ``cuda`` nothing."""
-
-
-def build_prefetch(target: str) -> SimpleNamespace:
-    from .link import link
-
-    k = link(target)
-    return SimpleNamespace(prefetch1=k.prefetch1, prefetch2=k.prefetch2)

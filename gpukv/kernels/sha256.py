@@ -29,11 +29,10 @@ import functools
 import numpy as np
 
 from ..core.backend import bind_globals, launch_stream
-from .link import helper, jit_group, link
+from .link import helper, link
 
 __all__ = [
     "SHA256_WORK_WORDS",
-    "build_sha256",
     "build_sha256_kernel",
     "digest_to_int64x4",
     "int64x4_to_digest",
@@ -196,11 +195,6 @@ def chain_digest(parent_digest, tokens, n, mm_digests, out, work):
         if hi >= 0x80000000:
             hi -= 0x100000000  # reinterpret as signed so the int64 store cannot overflow
         out[k] = (hi << 32) | lo
-
-
-def build_sha256(jit):
-    """The SHA-256 helpers compiled with ``jit`` (``backend.device_jit(target)``)."""
-    return jit_group(jit, [rotr, bswap32, compress, message_words, chain_digest])
 
 
 @functools.lru_cache(maxsize=None)

@@ -73,7 +73,7 @@ from .link import helper, link
 from .log import announce
 from .pages import NUM_LEVELS, alloc_page, can_replace_page, page_of, replace_page, unlink_page
 
-__all__ = ["NUM_LEVELS", "build_tree", "build_tree_kernel"]  # with the OP_* codes
+__all__ = ["NUM_LEVELS", "build_tree_kernel"]  # with the OP_* codes
 
 OP_ADD = 1  # ADD_ARGS -> out: block, is_new, root
 OP_ADD_PAGE = 2  # ADD_PAGE_ARGS -> out[OUT_BLOCK] = the page (NULL if not wider)
@@ -221,11 +221,6 @@ def tree_step(S, op, args, toks, out):
 def tree_op(S, op, args, toks, out):
     begin_launch(S)
     tree_step(S, op, args, toks, out)
-
-
-def build_tree(target: str):
-    """Every kernel helper compiled for ``target``, by name (``link.link``)."""
-    return link(target)
 
 
 @functools.lru_cache(maxsize=None)
