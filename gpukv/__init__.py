@@ -15,10 +15,9 @@ prints it on stderr.
 import logging
 
 from .arena import TokenSequence
-from .core.backend import BackendError
-from .cache import KVCache, KVCacheStatus, LogicError
-from .launcher import BusyError
-from .core.config import Attention, CacheConfig, ConfigError, Ssm, SwaScratchReuse
+from .cache import KVCache, KVCacheStatus
+from .core.config import Attention, CacheConfig, Ssm, SwaScratchReuse
+from .core.errors import BackendError, BusyError, ConfigError, IndexFullError, LogicError, TokenError, TreeError
 from .events import (
     KVCacheCreatedData,
     KVCacheEvent,
@@ -33,9 +32,6 @@ from .manager import KVCacheManager
 from .page_memory import PageCopies
 from .matching import BatchMatch
 from .core.scope import ReuseScope
-from .tables import IndexFullError
-from .tokens import TokenError
-from .tree import BlockRef
 
 __version__ = "0.1.0"
 
@@ -45,7 +41,6 @@ __all__ = [
     "Attention",
     "BackendError",
     "BatchMatch",
-    "BlockRef",
     "BusyError",
     "CacheConfig",
     "ConfigError",
@@ -67,6 +62,7 @@ __all__ = [
     "SwaScratchReuse",
     "TokenError",
     "TokenSequence",
+    "TreeError",
     "gen_multimodal_cache_key_tokens",
     "index_memory",
     "sequence_to_blockchain_keys",

@@ -49,6 +49,7 @@ import threading
 import numpy as np
 
 from . import kernel_cache
+from .core.errors import BusyError, LogicError, TreeError
 from .core.layout import (
     CNT_ERROR,
     CNT_LOG_LEN,
@@ -68,20 +69,6 @@ from .core.layout import (
     RETIRED_REMOVED,
     RETIRED_ROOT_REMOVED,
 )
-
-
-class LogicError(RuntimeError):
-    """A call that is not allowed in the current state."""
-
-
-class BusyError(LogicError):
-    """A call on a manager while another call on it is in progress: from a
-    callback inside that call, or from another thread (a manager, its caches
-    and its sequences are driven from one thread, one call at a time)."""
-
-
-class TreeError(RuntimeError):
-    """A tree kernel stopped on a condition the host should have prevented."""
 
 
 class _Call:

@@ -24,6 +24,7 @@ import numpy as np
 
 from .core.backend import Backend
 from .core.config import PRIORITY_MIN, CacheConfig
+from .core.errors import IndexFullError
 from .core.kinds import has_window
 from .kernels.sha256 import SHA256_WORK_WORDS
 from .kernels.keys import sibling_hash_np
@@ -109,11 +110,6 @@ UNKNOWN_DIGEST = -(2**31)  # stands for any digest no block holds
 # the calls of a batch run in order. A quarter goes to the announced tokens.
 CHANGE_LOG_BUDGET = 4 << 20
 LOG_BUDGET_MIN_ROWS = 4 * LOG_MIN_ROWS  # the least any budget gives: the slack and some room
-
-
-class IndexFullError(RuntimeError):
-    """A call needs more block rows than ``CacheConfig.max_blocks``
-    preallocated. The call is refused before it changes anything."""
 
 
 def log_budget(tokens_per_block: int) -> tuple[int, int]:

@@ -27,12 +27,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .core.config import MAX_TOKEN_ID
+from .core.errors import TokenError
 
 DIGEST_BYTES = 32
-
-
-class TokenError(ValueError):
-    """A token sequence holds something that is not a valid token."""
 
 
 def _where(request: int | None) -> str:

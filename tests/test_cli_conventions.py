@@ -36,9 +36,13 @@ def test_version_flag_prints_the_package_version(capsys):
     assert capsys.readouterr().out == f"gpukv {gpukv.__version__}\n"
 
 
-def test_version_agrees_with_the_package_metadata():
-    version = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M)
-    assert version is not None and gpukv.__version__ == version.group(1)
+def test_version_is_written_once_and_agrees_with_the_package_metadata():
+    import importlib.metadata
+
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in text and 'version = { attr = "gpukv.__version__" }' in text
+    assert not re.search(r'^version = "', text, re.M)  # no second copy in [project]
+    assert importlib.metadata.version("gpukv") == gpukv.__version__
 
 
 # -- logging -----------------------------------------------------------------------------------------

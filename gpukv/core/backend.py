@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import BackendError
+
 if os.environ.get("GPUKV_BACKEND") == "cudasim":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
@@ -99,10 +101,6 @@ def _install_cache_locator():
 
 
 BACKENDS = ("auto", "cpu", "cuda", "cudasim")
-
-
-class BackendError(RuntimeError):
-    """The requested backend cannot run in this process."""
 
 
 def simulator_enabled() -> bool:

@@ -15,6 +15,7 @@ from typing import Sequence, Union
 import numpy as np
 
 from .backend import BACKENDS
+from .errors import ConfigError
 
 from .kinds import KIND_FULL, KIND_SSM, KIND_SWA, has_window, is_checkpoint  # noqa: F401 (KIND_* re-exported)
 
@@ -32,10 +33,6 @@ def check_priority(value, what: str) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise ValueError(f"{what} must be an int in {PRIORITY_MIN}..{PRIORITY_MAX}, got {value!r}")
     return int(value)
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the field."""
 
 
 @dataclass(frozen=True)
