@@ -6,13 +6,19 @@
   the repository, or a Markdown file that the repository does not have: the
   rulebook is ``docs/semantics.md``, cited by that path.
 - Every section a file cites from the rulebook (``§2.4``, ``§7.19``) exists there.
+- Every python block of README.md, docs/api.md and docs/integration.md runs,
+  per file in one namespace, on the cpu backend; a page's fragments are
+  completed by a setup block the page itself shows, and a block that cannot
+  run here is marked, with the reason, and counted.
 
 Each failure lists ``file:line``, what was found and what to write instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import re
 from pathlib import Path
@@ -331,3 +337,97 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
         f"{SEC}2.5 is not a section of docs/semantics{MD}",
         f"{SEC}7.3 is not a section of docs/semantics{MD}",
     ]
+
+
+# -- the code blocks of the guides run ------------------------------------------------------------
+# Every fenced ``python`` block of these files runs, per file, in one namespace,
+# in the order of the file, on the cpu backend. A comment line right before a
+# block marks it:
+#   <!-- docs-test: preamble -->        runs before every other block of the file
+#                                        (the setup a page's fragments assume, shown in the page)
+#   <!-- docs-test: skip: REASON -->    does not run here (it needs a GPU, PyTorch, a network)
+RUNNABLE_DOCS = ("README.md", "docs/api.md", "docs/integration.md")
+MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(preamble|skip)\s*(?::\s*(.*?))?\s*-->\s*$")
+PY_FENCE = re.compile(r"^\s*```python\s*$")
+
+
+def code_blocks(text: str) -> list[dict]:
+    """The fenced python blocks of a Markdown text: each with its first line
+    number, its code, and its mark (None, ``preamble`` or ``skip``) and reason."""
+    blocks = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        if not PY_FENCE.match(lines[i]):
+            if FENCE.match(lines[i]):  # another language's block: step over it whole
+                i += 1
+                while i < len(lines) and not FENCE.match(lines[i]):
+                    i += 1
+            i += 1
+            continue
+        j = i - 1
+        while j >= 0 and not lines[j].strip():
+            j -= 1
+        m = MARKER.match(lines[j]) if j >= 0 else None
+        start = i + 1
+        i += 1
+        while i < len(lines) and not FENCE.match(lines[i]):
+            i += 1
+        if i == len(lines):
+            raise ValueError(f"line {start}: a python block is never closed")
+        if m and m.group(1) == "skip" and not m.group(2):
+            raise ValueError(f"line {j + 1}: a skipped block must say why (docs-test: skip: REASON)")
+        blocks.append({"line": start + 1, "code": "\n".join(lines[start:i]) + "\n",
+                       "mark": m.group(1) if m else None, "reason": m.group(2) if m else None})
+        i += 1
+    return blocks
+
+
+def run_blocks(path: Path, blocks: list[dict]) -> list[tuple[int, str]]:
+    """Runs a file's blocks in one namespace (preambles first); the skipped
+    ones, as ``(line, reason)``. A failing block raises, naming its line."""
+    namespace: dict = {"__name__": "__docs__"}
+    order = [b for b in blocks if b["mark"] == "preamble"] + [b for b in blocks if b["mark"] is None]
+    for b in order:
+        code = compile("\n" * (b["line"] - 1) + b["code"], str(path), "exec")  # tracebacks name the doc's lines
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(code, namespace)
+        except Exception as e:
+            where = _rel(path) if path.is_relative_to(ROOT) else path.name
+            raise AssertionError(f"{where}:{b['line']}: the block fails: {type(e).__name__}: {e}") from e
+    return [(b["line"], b["reason"]) for b in blocks if b["mark"] == "skip"]
+
+
+# How many blocks each guide leaves out: a new one is a decision, stated here too.
+SKIPPED_BLOCKS = {"README.md": 0, "docs/api.md": 1, "docs/integration.md": 3}
+
+
+@pytest.mark.parametrize("doc", RUNNABLE_DOCS)
+def test_every_python_block_of_the_guides_runs(doc, monkeypatch):
+    monkeypatch.setenv("GPUKV_BACKEND", "cpu")
+    path = ROOT / doc
+    blocks = code_blocks(path.read_text(encoding="utf-8"))
+    assert any(b["mark"] is None for b in blocks), f"{doc} has no block the test runs"
+    skipped = run_blocks(path, blocks)
+    ran = sum(b["mark"] != "skip" for b in blocks)
+    report = f"{doc}: {ran} blocks ran, {len(skipped)} skipped" + "".join(f"\n  line {n}: {why}" for n, why in skipped)
+    print(report)
+    assert len(skipped) == SKIPPED_BLOCKS[doc], report
+
+
+def test_the_block_runner_runs_preambles_first_and_names_a_failing_line(tmp_path):
+    doc = tmp_path / f"guide{MD}"
+    doc.write_text(
+        "Text.\n\n```python\nx = base + 1\n```\n\n```bash\nnot python\n```\n\n"
+        "<!-- docs-test: skip: needs a GPU -->\n```python\nimport cupy\n```\n\n"
+        "<!-- docs-test: preamble -->\n```python\nbase = 41\n```\n\n```python\nassert x == 42\ny = z\n```\n"
+    )
+    blocks = code_blocks(doc.read_text())
+    assert [(b["line"], b["mark"]) for b in blocks] == [(4, None), (13, "skip"), (18, "preamble"), (22, None)]
+    with pytest.raises(AssertionError, match=r"guide\.md:22: the block fails: NameError: name 'z'"):
+        run_blocks(doc, blocks)
+    blocks[-1]["code"] = "assert x == 42\n"
+    assert run_blocks(doc, blocks) == [(13, "needs a GPU")]
+    with pytest.raises(ValueError, match="must say why"):
+        code_blocks("<!-- docs-test: skip -->\n```python\npass\n```\n")
