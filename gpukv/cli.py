@@ -437,8 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before starting, wait up to S seconds for a router to subscribe to every worker (default 0)")
     o = s.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON")
-    o.add_argument("--plot", metavar="FILE.png", help="save a figure: hit rate over time, match latency vs batch size "
-                   "(needs matplotlib: pip install -e '.[plot]' in a checkout)")
+    o.add_argument("--plot", metavar="FILE.png",
+                   help="save a figure of four panels: tokens computed over time; the recomputation per-page coverage "
+                        "saves (with --compare; else the hit rate over time); SSM snapshot hits over time, on a block "
+                        "boundary and inside one; match_batch latency against the requests matched "
+                        "(needs matplotlib: pip install -e '.[plot]' in a checkout)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     cc = sub.add_parser(

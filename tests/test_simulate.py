@@ -88,6 +88,24 @@ def test_follow_up_reuses_the_previous_turn_to_its_end(both_policies):
     assert checked > 5
 
 
+def test_the_ssm_panel_tells_the_policies_apart(both_policies):
+    """Both policies hit an SSM snapshot for nearly the same requests (every
+    reuse of a hybrid model ends on one): the figure splits the hits by where
+    the snapshot lies, which is what per-page coverage changes."""
+    from gpukv.sim.report import plot_series
+
+    sims = {p: both_policies[p][1] for p in ("per-page", "full-blocks")}
+    runs = {r["label"]: r for r in plot_series(list(sims.values()))["runs"]}
+    pp, fb = runs["per-page"], runs["full-blocks"]
+    for label, r in runs.items():
+        s = sims[label].stats
+        assert r["ssm_hits_boundary"][-1] + r["ssm_hits_inside"][-1] == r["ssm_hits"][-1] == s.ssm_hits > 0
+        assert np.all(np.diff(r["ssm_hits_inside"]) >= 0) and np.all(np.diff(r["ssm_hits_boundary"]) >= 0)
+    assert not fb["ssm_hits_inside"].any()  # whole blocks only: every snapshot hit is on a boundary
+    assert pp["ssm_hits_inside"][-1] == pp["total_ssm_hits_inside"] == sims["per-page"].stats.partial_reuses > 0
+    assert pp["ssm_hits_boundary"][-1] < fb["ssm_hits_boundary"][-1]
+
+
 def test_format_summary_side_by_side(both_policies):
     text = format_summary(both_policies["per-page"][2], both_policies["full-blocks"][2])
     assert "per-page" in text and "full-blocks" in text
