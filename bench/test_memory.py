@@ -10,7 +10,7 @@ block row for each table and in all:
 * ``hybrid``: the same with a sliding-window and an SSM life cycle beside it
   (what a hybrid model adds: a slot row per block and life cycle, and each
   pool's pages);
-* ``growing``: ``max_blocks=None`` after 2**14 distinct blocks were cached
+* ``growing``: ``max_blocks=None`` after 15,360 distinct blocks were cached
   (``introspect.insert_sequence``), the arrays' actual ``nbytes`` over the
   blocks in the tree.
 
@@ -30,7 +30,8 @@ GROUP = pytest.mark.benchmark(group="index memory")
 
 CONFIGS = {
     "preallocated": dict(layers=[Attention()], pages_per_life_cycle=ROWS),
-    "hybrid": dict(layers=[Attention(), Attention(window=4096), Ssm()], pages_per_life_cycle=[ROWS, ROWS // 8, ROWS // 64]),
+    "hybrid": dict(layers=[Attention(), Attention(window=4096), Ssm()], pages_per_life_cycle=[ROWS, ROWS // 8, ROWS // 64],
+                   commit_min_snapshot=True),
 }
 
 
@@ -52,7 +53,7 @@ def test_preallocated_index_memory(benchmark, name):
 @GROUP
 def test_growing_index_memory(benchmark):
     """Bytes per distinct cached block when the tables grow on demand."""
-    blocks = 2**14
+    blocks = 15 * 1024  # and 15 roots: the rows of one doubling, nearly full
     mgr = gpukv.KVCacheManager(gpukv.CacheConfig(tokens_per_block=T, layers=[Attention()],
                                                  pages_per_life_cycle=blocks + 64, backend="cpu"))
     for start in range(0, blocks, 1024):  # distinct chains of 1024 blocks

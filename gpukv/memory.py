@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .core.config import CacheConfig
-from .core.layout import BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, PAGES, POLICY, SLOTS
+from .core.layout import BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, PAGES, POLICY, ROW_DTYPE, SLOTS
 from .kernels.lru import NUM_HELD, NUM_PRIORITIES
 from .kernels.sha256 import SHA256_WORK_WORDS
 from .kernels.tree import NUM_LEVELS
@@ -37,6 +37,7 @@ from .tables import DeviceTables, preallocated_sizes, pow2_at_least
 
 INT64 = np.dtype(np.int64).itemsize
 INT32 = np.dtype(np.int32).itemsize
+ROW = np.dtype(ROW_DTYPE).itemsize  # bucket heads, free lists of pages
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,11 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
 
     - per block row ``r``: ``blocks`` (its layout width, int64), ``tokens``
       (``T`` int32), ``slots`` (one row per life cycle, int32), ``block_free``
-      (int64), and two child-index bucket arrays of the power of two at least
-      ``2r`` (int64);
+      (int64: it also holds a launch's retired rows), and two child-index
+      bucket arrays of the power of two at least ``2r`` (int32);
     - per page ``P`` (GPU and host pages of every life cycle): ``pages``
-      (its layout width, int64), ``page_free`` and ``row_free`` (int64) and
-      the copy list (``3P + 16`` records);
+      (its layout width, int64), ``page_free`` and ``row_free`` (int32) and
+      the copy list (``3P + 16`` records, int32);
     - the change log (``log``, ``log_tokens``), at the sizes
       ``tables.preallocated_sizes`` gives (with ``max_blocks``: its budget,
       ``tables.log_budget``; without, the rows it starts with);
@@ -99,16 +100,16 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
         "tokens": rows * T * INT32,
         "slots": record(SLOTS, rows * L),
         "pages": record(PAGES, P),
-        "buckets": buckets * INT64,
-        "sibling_buckets": buckets * INT64,
+        "buckets": buckets * ROW,
+        "sibling_buckets": buckets * ROW,
         "block_free": rows * INT64,
         "pool_start": L * NUM_LEVELS * INT64,
         "pool_top": L * NUM_LEVELS * INT64,
         "pool_size": L * NUM_LEVELS * INT64,
-        "page_free": P * INT64,
+        "page_free": P * ROW,
         "row_start": L * INT64,
         "row_top": L * INT64,
-        "row_free": P * INT64,
+        "row_free": P * ROW,
         "copies": record(COPIES, 3 * P + 16),
         "lru_lists": record(LRU_LISTS, groups * NUM_PRIORITIES),
         "lru_groups": record(LRU_GROUPS, groups),

@@ -42,6 +42,7 @@ from .core.layout import (
     CNT_LOG_LEN,
     CNT_LOG_TOKENS_LEN,
     CNT_RETIRED,
+    COPIES,
     COPY_WIDTH,
     COUNTERS,
     FLAG_ATTACHED,
@@ -62,6 +63,7 @@ from .core.layout import (
     POLICY_STABLE_PAGES,
     POLICY_WIDTH,
     RETIRED_ROW_BITS,
+    ROW_DTYPE,
     SLOTS,
 )
 
@@ -72,17 +74,17 @@ DeviceTables = namedtuple(
         "tokens",  # int32 [rows, T]
         "slots",  # int32 [rows * L, SLOTS.width]
         "pages",  # int64 [pages, PAGES.width]
-        "buckets",  # int64 [power of two]: child-index bucket heads (by key)
-        "sibling_buckets",  # int64 [power of two]: heads by (parent row, first token)
+        "buckets",  # int32 [power of two]: child-index bucket heads (by key)
+        "sibling_buckets",  # int32 [power of two]: heads by (parent row, first token)
         "block_free",  # int64 [rows]: free-row stack
         "pool_start",  # int64 [L * levels]: where each pool's stack starts in page_free
         "pool_top",  # int64 [L * levels]: free storage slots of each pool
         "pool_size",  # int64 [L * levels]
-        "page_free",  # int64 [pages]: per-pool stacks of free storage indices
+        "page_free",  # int32 [pages]: per-pool stacks of free storage indices
         "row_start",  # int64 [L]: each life cycle's first page row
         "row_top",  # int64 [L]: free page rows of each life cycle
-        "row_free",  # int64 [pages]: per-life-cycle stacks of free page rows
-        "copies",  # int64 [k, COPY_WIDTH]: page data copies of the current launch
+        "row_free",  # int32 [pages]: per-life-cycle stacks of free page rows
+        "copies",  # int32 [k, COPY_WIDTH]: page data copies of the current launch
         "lru_lists",  # int64 [L * levels * 2 * priorities, LRU_LISTS.width]: eviction candidates' lists
         "lru_groups",  # int64 [L * levels * 2, LRU_GROUPS.width]: their counts (kernels/lru.py)
         "no_host_room",  # int64 [L]: set when the host tier could not take a held page
@@ -179,8 +181,10 @@ class Tables:
         self.tokens = xp.zeros((rows, T), dtype=np.int32)
         self.slots = xp.zeros((rows * L, SLOTS.width), dtype=np.int32)
         self.slots[:, 0] = NULL
-        self.buckets = xp.full(pow2_at_least(2 * rows), NULL, dtype=np.int64)
-        self.sibling_buckets = xp.full(pow2_at_least(2 * rows), NULL, dtype=np.int64)
+        # Rows and page indices fit 32 bits (``ROW_DTYPE``): the bucket heads
+        # and free lists hold nothing else.
+        self.buckets = xp.full(pow2_at_least(2 * rows), NULL, dtype=ROW_DTYPE)
+        self.sibling_buckets = xp.full(pow2_at_least(2 * rows), NULL, dtype=ROW_DTYPE)
         # Pop order: row 0 first, so a young table is easy to read.
         self.block_free = xp.arange(rows - 1, -1, -1, dtype=np.int64)
         self.counters = xp.zeros(COUNTERS.width, dtype=np.int64)
@@ -196,8 +200,8 @@ class Tables:
         total = int(sizes.sum())
         pages = np.full((total, PAGES.width), NULL, dtype=np.int64)
         pages[:, PAGE_STATE] = PAGE_FREE
-        page_free = np.empty(total, dtype=np.int64)
-        row_free = np.empty(total, dtype=np.int64)
+        page_free = np.empty(total, dtype=ROW_DTYPE)
+        row_free = np.empty(total, dtype=ROW_DTYPE)
         for pool, (start, size) in enumerate(zip(starts, sizes)):
             page_free[start:start + size] = np.arange(size - 1, -1, -1)  # pop index 0 first
         for lc in range(L):
@@ -218,7 +222,7 @@ class Tables:
         self.row_free = backend.to_device(row_free)
         # A page moves at most twice per launch (down to the host, back up on a
         # lock) and every allocation copies at most once.
-        self.copies = xp.zeros((3 * total + 16, COPY_WIDTH), dtype=np.int64)
+        self.copies = xp.zeros((3 * total + 16, COPY_WIDTH), dtype=COPIES.dtype)
         groups = max(1, L) * NUM_LEVELS * NUM_HELD
         self.lru_lists = xp.full((groups * NUM_PRIORITIES, LRU_LISTS.width), NULL, dtype=np.int64)
         lru_groups = np.zeros((groups, LRU_GROUPS.width), dtype=np.int64)
@@ -346,7 +350,7 @@ class Tables:
     def _chain(self, rows, bucket_of_row, next_col: int, num_buckets: int):
         """Bucket heads for ``rows`` and their chain links, written vectorized."""
         xp = self.xp
-        heads = xp.full(num_buckets, NULL, dtype=np.int64)
+        heads = xp.full(num_buckets, NULL, dtype=ROW_DTYPE)
         self.blocks[:, next_col] = NULL
         if rows.size:
             order = xp.argsort(bucket_of_row, kind="stable") if xp is np else xp.argsort(bucket_of_row)
@@ -503,8 +507,8 @@ class Tables:
             np.array([top + rows.size, 0], dtype=np.int64))
 
     def read_copies(self, n: int) -> np.ndarray:
-        """The first ``n`` recorded page data copies, as a host copy."""
-        return np.array(self.backend.to_host(self.copies[:n]))
+        """The first ``n`` recorded page data copies, as an int64 host copy."""
+        return np.array(self.backend.to_host(self.copies[:n]), dtype=np.int64)
 
 
 def pow2_at_least(n: int) -> int:

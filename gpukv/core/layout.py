@@ -21,6 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 NULL = -1  # "no row": an empty slot, a missing parent, the end of a list
+# Block rows, page rows and pool indices are below 2**31: tables that hold
+# nothing else (bucket heads, free lists, copies, slots) are this narrow.
+# Keys, digests, serials, ticks and counters stay 64-bit.
+ROW_DTYPE = np.int32
 
 
 class Layout:
@@ -200,7 +204,7 @@ POLICY = Layout(
 # (DeviceTables.copies): storage addresses, so a migration is a copy too.
 COPIES = Layout(
     "copies",
-    np.int64,
+    ROW_DTYPE,
     [("life_cycle", 1), ("src_level", 1), ("src_index", 1), ("dst_level", 1), ("dst_index", 1)],
 )
 
