@@ -12,7 +12,10 @@
   cache ahead of time, one progress step per kernel (container images, CI).
 
 The command prints the library's log messages (the ``gpukv`` logger, INFO
-and above) on stderr; results go to stdout.
+and above) on stderr; results go to stdout. ``--quiet`` leaves stderr to
+errors alone (no progress, no compile notes, no warnings); ``--verbose`` adds
+the DEBUG messages (each kernel's compile time, the backend and kernel cache
+a command uses).
 
 It is one module because every command shares the argument types, the
 bounds and the error handling of ``main``; most of its length is the parser.
@@ -105,6 +108,12 @@ def _policy(args) -> str | None:
             raise ValueError("--no-partial-reuse contradicts --policy per-page")
         return "full-blocks"
     return args.policy
+
+
+def _package_version() -> str:
+    import gpukv
+
+    return gpukv.__version__
 
 
 def _versions() -> dict:
@@ -237,11 +246,11 @@ def cmd_match(args) -> int:
     return 0
 
 
-def _compile_kernels(config, show_progress: bool) -> dict | None:
+def _compile_kernels(config, args) -> dict | None:
     """Compile the kernels of ``config`` that the kernel cache lacks, in
     parallel processes, with a progress bar (one step per kernel) or a line
     per kernel; None when nothing is compiled here (all cached, or a backend
-    whose kernels are not kept on disk)."""
+    whose kernels are not kept on disk). ``--quiet`` prints none of it."""
     import time
 
     from . import compile as jobs
@@ -253,8 +262,14 @@ def _compile_kernels(config, show_progress: bool) -> dict | None:
     if not todo:
         return None
     names = kernel_cache.KERNEL_NAMES
-    print(f"gpukv: compiling {len(todo)} of {len(names)} kernels ({', '.join(todo)}); this happens once: "
-          f"they are kept in {CACHE_DIR}", file=sys.stderr, flush=True)
+    show_progress = sys.stderr.isatty() and not args.no_progress and not args.quiet
+
+    def note(text):
+        if not args.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    note(f"gpukv: compiling {len(todo)} of {len(names)} kernels ({', '.join(todo)}); this happens once: "
+         f"they are kept in {CACHE_DIR}")
     ready = [n for n in names if n not in todo]
     busy: list = []
     t0 = time.perf_counter()
@@ -271,13 +286,12 @@ def _compile_kernels(config, show_progress: bool) -> dict | None:
                     f"compiling: {', '.join(busy) or '-'}  {time.perf_counter() - t0:.0f} s")
             print(f"\r{line:<90}", end="", file=sys.stderr, flush=True)
         elif event == "ready":
-            print(f"gpukv: {len(ready)}/{len(names)} kernels: {name} ready ({time.perf_counter() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)
+            note(f"gpukv: {len(ready)}/{len(names)} kernels: {name} ready ({time.perf_counter() - t0:.0f} s)")
 
     result = jobs.compile_kernels(config, progress=progress)
     if show_progress:
         print(file=sys.stderr)
-    print(f"gpukv: kernels compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    note(f"gpukv: kernels compiled in {time.perf_counter() - t0:.0f} s")
     return result
 
 
@@ -299,7 +313,7 @@ def cmd_compile(args) -> int:
         print(f"backend {backend.name}: its kernels are compiled in each process (nothing is kept on disk); "
               "nothing to build ahead of time")
         return 0
-    result = _compile_kernels(config, sys.stderr.isatty() and not args.no_progress)
+    result = _compile_kernels(config, args)
     n = len(kernel_cache.KERNEL_NAMES)
     compiled = 0 if result is None else sum(how == "compiled" for how in result.values())
     print(f"{n} kernels in the kernel cache ({compiled} compiled now, {n - compiled} already there): {CACHE_DIR}")
@@ -337,7 +351,7 @@ def cmd_simulate(args) -> int:
     first = sim.SimOptions(policy=policies[0], model=args.model, tokens_per_block=args.tokens_per_block,
                            window=args.window, host_pages=args.host_pages, backend=args.backend)
     first.validate()
-    _compile_kernels(first.cache_config(pages=64), sys.stderr.isatty() and not args.no_progress)
+    _compile_kernels(first.cache_config(pages=64), args)
     runs = []
     for policy in policies:
         options = sim.SimOptions(
@@ -355,7 +369,7 @@ def cmd_simulate(args) -> int:
             if args.limit is not None and args.limit < len(workload.requests):
                 workload.requests = workload.requests[: args.limit]
                 workload.description += f", of which the first {args.limit} (--limit)"
-        progress = sys.stderr.isatty() and not args.no_progress
+        progress = sys.stderr.isatty() and not args.no_progress and not args.quiet
         if args.workers > 1 or args.kv_events is not None:
             from .sim.cluster import run_cluster
 
@@ -380,6 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "cudasim"],
                         help="where the tables and kernels run: auto (cuda when a GPU, CuPy and numba-cuda work, "
                              "else cpu; $GPUKV_BACKEND overrides it), cpu, cuda, or cudasim (Numba's CUDA simulator)")
+    said = common.add_mutually_exclusive_group()
+    said.add_argument("-q", "--quiet", action="store_true",
+                      help="results and errors only: no progress bar, no compile notes, no log messages below ERROR")
+    said.add_argument("-v", "--verbose", action="store_true",
+                      help="also the library's DEBUG log messages (each kernel's compile time, the backend and "
+                           "kernel cache used)")
     import gpukv
 
     p = argparse.ArgumentParser(prog="gpukv", description="GPU-resident KV-cache prefix-reuse index. "
@@ -494,7 +514,13 @@ def main(argv=None) -> int:
     from .core.backend import BackendError
     from .sim.report import MissingDependency
 
-    with _log_to_stderr():
+    level = logging.ERROR if args.quiet else logging.DEBUG if args.verbose else logging.INFO
+    with _log_to_stderr(level):
+        log = logging.getLogger("gpukv.cli")
+        from .core.backend import CACHE_DIR
+
+        log.debug("gpukv %s, command %s, --backend %s (GPUKV_BACKEND=%s), kernel cache %s",
+                  _package_version(), args.command, args.backend, os.environ.get("GPUKV_BACKEND", "unset"), CACHE_DIR)
         try:
             status = COMMANDS[args.command](args)
             sys.stdout.flush()  # here, so a closed pipe is handled below and not at exit
@@ -525,18 +551,22 @@ class _CommandLogFormat(logging.Formatter):
 
 
 class _log_to_stderr:
-    """While a command runs, the ``gpukv`` logger's INFO and above go to
-    stderr; afterwards the logger is as it was (``main`` may be called more
-    than once in a process)."""
+    """While a command runs, the ``gpukv`` logger's messages of ``level`` and
+    above go to stderr; afterwards the logger is as it was (``main`` may be
+    called more than once in a process)."""
+
+    def __init__(self, level: int = logging.INFO):
+        self.wanted = level
 
     def __enter__(self):
         self.logger = logging.getLogger("gpukv")
         self.level = self.logger.level
         self.handler = logging.StreamHandler(sys.stderr)
         self.handler.setFormatter(_CommandLogFormat())
+        self.handler.setLevel(self.wanted)
         self.logger.addHandler(self.handler)
-        if self.level == logging.NOTSET or self.level > logging.INFO:
-            self.logger.setLevel(logging.INFO)
+        if self.level == logging.NOTSET or self.level > self.wanted:
+            self.logger.setLevel(self.wanted)
         return self
 
     def __exit__(self, *exc):

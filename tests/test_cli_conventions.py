@@ -11,6 +11,7 @@ import ast
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -292,3 +293,63 @@ def test_a_limit_says_how_many_requests_the_run_takes(capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["requests"] == 0
     assert summary["workload"].endswith("of which the first 0 (--limit)"), summary["workload"]
+
+
+# -- --quiet and --verbose ----------------------------------------------------------------------------
+def _say_at_every_level(args) -> int:
+    log = logging.getLogger("gpukv.probe")
+    for level in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR):
+        log.log(level, "said at %s", logging.getLevelName(level))
+    print("the result")
+    return 0
+
+
+@pytest.mark.parametrize("flags, shown", [
+    ([], ["INFO", "WARNING", "ERROR"]),
+    (["--quiet"], ["ERROR"]),
+    (["-q"], ["ERROR"]),
+    (["--verbose"], ["DEBUG", "INFO", "WARNING", "ERROR"]),
+    (["-v"], ["DEBUG", "INFO", "WARNING", "ERROR"]),
+])
+def test_quiet_and_verbose_choose_the_log_messages_shown(flags, shown, monkeypatch, capsys):
+    monkeypatch.setitem(cli.COMMANDS, "info", _say_at_every_level)
+    assert cli.main(["info", *flags]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == "the result\n"  # results are never silenced
+    said = [line.split()[-1] for line in cap.err.splitlines() if line.startswith("gpukv probe: said at ")]
+    assert said == shown
+    assert ("gpukv cli: gpukv " in cap.err) == ("DEBUG" in shown)  # --verbose names the backend and kernel cache
+
+
+def test_quiet_and_verbose_exclude_each_other(capsys):
+    assert cli.main(["info", "--quiet", "--verbose"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_quiet_silences_the_compile_notes_and_the_progress(monkeypatch, capsys):
+    from gpukv import compile as jobs
+    from gpukv import kernel_cache
+
+    monkeypatch.setattr(kernel_cache, "missing", lambda target: ["seq"])
+
+    def fake_compile(config, progress):
+        progress("start", "seq")
+        progress("ready", "seq")
+        return {"seq": "compiled"}
+
+    monkeypatch.setattr(jobs, "compile_kernels", fake_compile)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert cli.main(["compile", "--backend", "cpu"]) == 0
+    loud = capsys.readouterr()
+    assert "gpukv: compiling 1 of" in loud.err and "kernels compiled in" in loud.err and "6/6 kernels" in loud.err
+    assert cli.main(["compile", "--backend", "cpu", "--quiet"]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and quiet.out == loud.out  # the result line stays
+    assert "(1 compiled now" in quiet.out
+
+
+def test_quiet_simulate_prints_its_summary_alone(capsys):
+    assert cli.main([*TOO_SMALL_POOL, "--json", "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["rejected"] > 0  # the warnings about them are what --quiet leaves out
+    assert cap.err == ""
