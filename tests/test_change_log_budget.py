@@ -99,10 +99,10 @@ def test_split_batches_equal_the_per_cache_calls(tiny_log, config):
     assert lock.mgr._launcher.launches > before
 
 
-def test_a_batch_beyond_the_budget_is_split(tiny_log):
+def test_a_batch_beyond_the_budget_is_split(tiny_log, backend):
     """Forty caches resized by twenty blocks each: more than a thousand log
     rows, so several launches; each cache gets what a resize alone gives."""
-    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=2000)
+    mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=2000)
     twin = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=2000)
     kvs, twins = mgr.create_kv_caches([[]] * 40), twin.create_kv_caches([[]] * 40)
     assert mgr.resume_batch(kvs).all() and all(kv.resume() for kv in twins)
@@ -145,7 +145,7 @@ def test_a_subtree_removal_takes_no_log_room(tiny_log):
     (priority 0): its death removes every request's blocks in the launch of
     one resize, far more records than the log has rows; all are reported,
     each before the records logged after it, and the log does not grow."""
-    n = 1000
+    n = 1000  # cpu only: the simulator takes a minute (test_hostile_input runs a small one on it)
     mgr = make_manager("cpu", tokens_per_block=T, layers=[Attention()], pages_per_life_cycle=n + 16,
                        max_kv_event_entries=10 * n)
     shared = [1, 2, 3, 4]
