@@ -110,6 +110,23 @@ def _policy(args) -> str | None:
     return args.policy
 
 
+def docs_folder() -> str | None:
+    """Where the documentation (README.md and docs/) lies: the checkout this
+    module runs from, or the install's ``share/doc/gpukv`` (a wheel ships it
+    there); None when neither has it."""
+    import sysconfig
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent.parent
+    places = [here]
+    for scheme in (sysconfig.get_default_scheme(), f"{os.name}_user"):
+        try:
+            places.append(Path(sysconfig.get_path("data", scheme)) / "share" / "doc" / "gpukv")
+        except KeyError:  # a platform without a user scheme
+            continue
+    return next((str(p) for p in places if (p / "docs" / "api.md").is_file()), None)
+
+
 def _package_version() -> str:
     import gpukv
 
@@ -151,6 +168,12 @@ def cmd_info(args) -> int:
         print(f"  {field} = {getattr(config, field)!r}")
     print(f"life cycles: {mgr.life_cycles}")
     print(f"index memory: {gpukv.index_memory(config).total:,} bytes at start (docs/integration.md)")
+    docs = docs_folder()
+    if docs is None:
+        print("docs: not installed here; README.md and docs/ of gpukv's source repository")
+    else:
+        print(f"docs: {docs} (README.md; docs/api.md the user guide, docs/integration.md the engine's side, "
+              "docs/semantics.md the rules of reuse)")
     return 0
 
 
@@ -403,7 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     import gpukv
 
     p = argparse.ArgumentParser(prog="gpukv", description="GPU-resident KV-cache prefix-reuse index. "
-                                "Without a command, runs `gpukv simulate`.")
+                                "Without a command, runs `gpukv simulate`.",
+                                epilog="The documentation (README.md, docs/) is installed with the package; "
+                                       "`gpukv info` prints where.")
     p.add_argument("--version", action="version", version=f"gpukv {gpukv.__version__}")
     sub = p.add_subparsers(dest="command")
     sub.add_parser("info", parents=[common], help="backend, versions and default config",

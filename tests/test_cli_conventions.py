@@ -353,3 +353,49 @@ def test_quiet_simulate_prints_its_summary_alone(capsys):
     cap = capsys.readouterr()
     assert json.loads(cap.out)["rejected"] > 0  # the warnings about them are what --quiet leaves out
     assert cap.err == ""
+
+
+# -- the documentation ships with the package --------------------------------------------------------
+def test_info_says_where_the_docs_are(capsys):
+    assert cli.main(["info", "--backend", "cpu"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("docs: ")]
+    assert line and line[0].startswith(f"docs: {REPO} ")  # a checkout: its own README.md and docs/
+    assert "`gpukv info` prints where" in cli.build_parser().format_help().replace("\n", " ").replace("  ", " ")
+
+
+def test_an_install_finds_the_docs_in_its_share_folder(tmp_path, monkeypatch):
+    import sysconfig
+
+    share = tmp_path / "share" / "doc" / "gpukv"
+    (share / "docs").mkdir(parents=True)
+    (share / "docs" / "api.md").write_text("# guide\n")
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "gpukv" / "cli.py"))
+    monkeypatch.setattr(sysconfig, "get_path", lambda name, scheme=None: str(tmp_path))
+    assert cli.docs_folder() == str(share)
+    (share / "docs" / "api.md").unlink()
+    assert cli.docs_folder() is None
+
+
+def test_the_wheel_ships_the_readme_and_every_doc(tmp_path):
+    """The wheel's data files are README.md and docs/*.md, laid out as in the
+    repository under share/doc/gpukv (so the links between them hold)."""
+    import subprocess
+    import zipfile
+
+    import shutil
+
+    pytest.importorskip("setuptools", minversion="70.1")  # builds wheels without the wheel package
+    src = tmp_path / "src"  # a copy: a build writes build/ and *.egg-info into the tree it builds
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "docs", src / "docs")
+    shutil.copytree(REPO / "gpukv", src / "gpukv", ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [wheel] = tmp_path.glob("gpukv-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = sorted(n.split("/share/doc/gpukv/", 1)[1] for n in names if "/share/doc/gpukv/" in n)
+    expected = sorted(["README.md", *(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))])
+    assert shipped == expected
