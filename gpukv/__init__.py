@@ -18,7 +18,7 @@ from .arena import TokenSequence
 from .cache import KVCache, KVCacheStatus
 from .core.config import Attention, CacheConfig, Ssm, SwaScratchReuse
 from .core.errors import BackendError, BusyError, ConfigError, IndexFullError, LogicError, TokenError, TreeError
-from .events import (
+from .event_types import (
     KVCacheCreatedData,
     KVCacheEvent,
     KVCacheRemovedData,

@@ -55,6 +55,21 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .core.scope import ReuseScope
+from .event_types import (
+    HASH_ALGOS,
+    NO_WINDOW,
+    Diff,
+    EventData,
+    EventHash,
+    KVCacheCreatedData,
+    KVCacheEvent,
+    KVCacheRemovedData,
+    KVCacheStoredBlockData,
+    KVCacheStoredData,
+    KVCacheUpdatedData,
+    UniqueToken,
+    event_block_hash,
+)
 from .core.layout import (
     EV_CREATED,
     EV_PAGE_INFO,
@@ -78,119 +93,7 @@ from .core.layout import (
     LOG_TOKENS_AT,
 )
 
-__all__ = [
-    "HASH_ALGOS",
-    "NO_WINDOW",
-    "Diff",
-    "KVCacheCreatedData",
-    "KVCacheEvent",
-    "KVCacheEventManager",
-    "KVCacheRemovedData",
-    "KVCacheStoredBlockData",
-    "KVCacheStoredData",
-    "KVCacheUpdatedData",
-    "LoggedBlock",
-    "PageInfo",
-    "UniqueToken",
-    "event_block_hash",
-]
-
-# The window size reported for a layer group without a sliding window (full
-# attention, SSM) and for events of no layer group: 0, the reference event
-# manager's default. ``[lc.window for lc in config.life_cycles]`` is therefore
-# the ``window_sizes`` list of a config (LifeCycle.window is 0 without a window).
-NO_WINDOW = 0
-
-# config.event_hash -> the ``hash_algo`` named in every event.
-HASH_ALGOS = {"sha256": "v2_sha256", "sha256_64": "v2_sha256_64"}
-
-EventHash = str | int
-
-
-# ---------------------------------------------------------------------------
-# Event data (names and fields as the reference's; sequences are tuples, so an
-# event is immutable once queued)
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class UniqueToken:
-    """A token of a stored block: an int token id, or the lowercase hex string
-    of a 32-byte multimodal digest token."""
-
-    token_id: int | str
-    token_extra_id: int = 0
-
-
-@dataclass(frozen=True)
-class KVCacheCreatedData:
-    num_blocks_per_cache_level: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class KVCacheStoredBlockData:
-    block_hash: EventHash
-    tokens: tuple[UniqueToken, ...]  # the block's full token list
-    cache_level: int  # of the announced life cycle's page: 0 = GPU, 1 = host
-    priority: int
-    mm_keys: tuple[str, ...] = ()  # hex digests of its multimodal tokens, first appearance order
-    cache_salt: str | None = None
-
-
-@dataclass(frozen=True)
-class KVCacheStoredData:
-    parent_hash: EventHash | None  # None for a block directly under a scope root
-    blocks: tuple[KVCacheStoredBlockData, ...]
-    # The reuse scope of the chain; None for the default scope. Not part of
-    # the reference's event: a publisher for routers needs it (LoRA name).
-    scope: ReuseScope | None = None
-
-
-@dataclass(frozen=True)
-class KVCacheRemovedData:
-    block_hashes: tuple[EventHash, ...]
-
-
-@dataclass(frozen=True)
-class Diff:
-    old_value: int
-    new_value: int
-
-
-@dataclass(frozen=True)
-class KVCacheUpdatedData:
-    block_hash: EventHash
-    cache_level: Diff | None
-    priority: Diff | None
-
-
-EventData = KVCacheCreatedData | KVCacheStoredData | KVCacheRemovedData | KVCacheUpdatedData
-
-
-@dataclass(frozen=True)
-class KVCacheEvent:
-    event_id: int  # increasing in queue order
-    data: EventData
-    window_size: int
-    hash_algo: str
-    attention_dp_rank: int = 0
-    layer_group_id: int | None = None  # the life-cycle id; None for the created event
-
-
-def event_block_hash(key: bytes, event_hash: str) -> EventHash:
-    """A block key as events name it.
-
-    ``"sha256"``: the key's lowercase hex. ``"sha256_64"``: the first 8 bytes
-    of the key read as a big-endian unsigned int, as the reference's
-    ``truncate_sha256_hash_to_int64`` does, so a router that hashes token
-    blocks itself gets the same numbers.
-    """
-    if event_hash == "sha256":
-        return key.hex()
-    if event_hash == "sha256_64":
-        return int.from_bytes(key[:8], "big", signed=False)
-    raise ValueError(f"event_hash must be one of {tuple(HASH_ALGOS)}, got {event_hash!r}")
-
+__all__ = ["KVCacheEventManager", "LoggedBlock", "PageInfo"]
 
 # ---------------------------------------------------------------------------
 # A block as one stored-announcement header describes it

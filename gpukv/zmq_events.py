@@ -67,7 +67,7 @@ from itertools import count
 
 from .core.config import KIND_FULL, KIND_SSM, KIND_SWA
 from .core.scope import ReuseScope
-from .events import (
+from .event_types import (
     KVCacheCreatedData,
     KVCacheRemovedData,
     KVCacheStoredData,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpukv import introspect
-from gpukv.events import (
+from gpukv.event_types import (
     KVCacheCreatedData,
     KVCacheRemovedData,
     KVCacheStoredData,

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from gpukv.events import (
+from gpukv.events import KVCacheEventManager
+from gpukv.event_types import (
     Diff,
     KVCacheCreatedData,
     KVCacheEvent,
-    KVCacheEventManager,
     KVCacheRemovedData,
     KVCacheStoredBlockData,
     KVCacheStoredData,

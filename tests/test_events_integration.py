@@ -37,7 +37,7 @@ import pytest
 import gpukv
 from gpukv import Attention, ReuseScope, introspect
 from gpukv.core.config import KIND_SSM
-from gpukv.events import (
+from gpukv.event_types import (
     Diff,
     KVCacheEvent,
     KVCacheRemovedData,

@@ -5,7 +5,7 @@ the event stream (``mark_clear`` / ``take_clear_marks``)."""
 from __future__ import annotations
 
 from gpukv import ReuseScope
-from gpukv.events import KVCacheRemovedData, KVCacheStoredData
+from gpukv.event_types import KVCacheRemovedData, KVCacheStoredData
 from tests.conftest import make_manager
 
 
