@@ -115,3 +115,38 @@ def test_no_module_imports_itself_through_others():
 
 def test_the_circle_rule_sees_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The facade's own order, bottom up, as docs/architecture.md lists it: each
+# module imports only modules before it (the package's __init__ comes last).
+FACADE_ORDER = [
+    "tables", "memory", "streams", "kernel_cache", "launcher", "page_memory", "tokens",
+    "tree", "arena", "matching", "cache_pool", "cache", "batch", "page_reads",
+    "event_types", "events", "stats", "manager", "introspect", "zmq_events", "compile", "",
+]
+
+
+def facade_order_violations(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    rank = {("gpukv." + m) if m else "gpukv": i for i, m in enumerate(order)}
+    return sorted(
+        f"{m} imports {d}"
+        for m in graph if m in rank
+        for d in graph[m] if d in rank and rank[d] >= rank[m]
+    )
+
+
+def test_the_facade_imports_in_its_documented_order():
+    graph = import_graph()
+    facade = {m for m in graph if layer_of(m) == "facade"}
+    listed = {("gpukv." + m) if m else "gpukv" for m in FACADE_ORDER}
+    assert facade == listed, f"not in FACADE_ORDER: {sorted(facade - listed)}; gone: {sorted(listed - facade)}"
+    assert facade_order_violations(graph, FACADE_ORDER) == []
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    doc = doc[doc.index("3. The host facade"):doc.index("4. `gpukv/sim/`")]
+    at = [doc.index(f"`{m}.py`") for m in FACADE_ORDER if m]
+    assert at == sorted(at), "docs/architecture.md lists the facade in another order"
+
+
+def test_the_order_rule_sees_an_upward_import():
+    graph = {"gpukv.tables": {"gpukv.manager"}, "gpukv.manager": {"gpukv.tables"}}
+    assert facade_order_violations(graph, ["tables", "manager"]) == ["gpukv.tables imports gpukv.manager"]
