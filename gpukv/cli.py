@@ -12,7 +12,9 @@
   cache ahead of time, one progress step per kernel (container images, CI).
 
 The command prints the library's log messages (the ``gpukv`` logger, INFO
-and above) on stderr; results go to stdout. ``--quiet`` leaves stderr to
+and above) on stderr; results go to stdout. A cold compile shows it moving (``CompileProgress``:
+each kernel compiling with its elapsed time, redrawn every second on a
+terminal, a line every ten seconds on a pipe). ``--quiet`` leaves stderr to
 errors alone (no progress, no compile notes, no warnings); ``--verbose`` adds
 the DEBUG messages (each kernel's compile time, the backend and kernel cache
 a command uses).
@@ -28,6 +30,8 @@ import logging
 import math
 import os
 import sys
+import threading
+import time
 
 TRACE_HELP = (
     "a Mooncake-format JSONL trace (512-token hash ids) instead of the built-in multi-turn chats. "
@@ -204,7 +208,6 @@ def _warm_up(config, T):
 
 def cmd_match(args) -> int:
     import json
-    import time
 
     import numpy as np
 
@@ -269,13 +272,85 @@ def cmd_match(args) -> int:
     return 0
 
 
+class CompileProgress:
+    """The ``progress`` of ``compile_kernels`` for a person watching: the
+    kernels ready out of ``total`` and each one compiling with its elapsed
+    time. On a terminal one line, redrawn every ``interval`` seconds (1 by
+    default) and at each event; elsewhere a line at each kernel ready and
+    every ``interval`` seconds (10 by default) while any compiles, so a log
+    shows the compile is alive. Use it as a context manager: the ticks run
+    in a thread between enter and exit."""
+
+    BAR = 24
+
+    def __init__(self, total: int, ready=(), out=None, terminal: bool | None = None,
+                 interval: float | None = None, clock=time.monotonic):
+        self.out = sys.stderr if out is None else out
+        self.terminal = bool(self.out.isatty()) if terminal is None else terminal
+        self.interval = float(interval if interval is not None else 1.0 if self.terminal else 10.0)
+        self.total = total
+        self.ready = list(ready)
+        self.compiling: dict = {}  # name -> when it started compiling
+        self.clock = clock
+        self.t0 = clock()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="gpukv-compile-progress", daemon=True)
+
+    def __call__(self, event: str, name: str) -> None:
+        with self._lock:
+            if event == "ready":
+                self.compiling.pop(name, None)
+                self.ready.append(name)
+            else:
+                self.compiling[name] = self.clock()
+            if self.terminal:
+                self._draw()
+            elif event == "ready":
+                self._write(f"gpukv: {len(self.ready)}/{self.total} kernels: {name} ready ({self._elapsed(self.t0)})")
+
+    def status(self) -> str:
+        """The kernels compiling, each with its elapsed time: ``seq 34 s, commit 12 s``."""
+        return ", ".join(f"{name} {self._elapsed(t)}" for name, t in self.compiling.items()) or "-"
+
+    def _elapsed(self, since: float) -> str:
+        return f"{self.clock() - since:.0f} s"
+
+    def _draw(self) -> None:
+        fill = self.BAR * len(self.ready) // max(self.total, 1)
+        line = (f"[{'#' * fill}{'.' * (self.BAR - fill)}] {len(self.ready)}/{self.total} kernels  "
+                f"compiling: {self.status()}  {self._elapsed(self.t0)}")
+        print(f"\r{line:<100}", end="", file=self.out, flush=True)
+
+    def _write(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.interval):
+            with self._lock:
+                if self.terminal:
+                    self._draw()
+                elif self.compiling:
+                    self._write(f"gpukv: compiling {self.status()} ({len(self.ready)}/{self.total} kernels ready, "
+                                f"{self._elapsed(self.t0)} in all)")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        if self.terminal:
+            print(file=self.out, flush=True)
+        return False
+
+
 def _compile_kernels(config, args) -> dict | None:
     """Compile the kernels of ``config`` that the kernel cache lacks, in
     parallel processes, with a progress bar (one step per kernel) or a line
     per kernel; None when nothing is compiled here (all cached, or a backend
     whose kernels are not kept on disk). ``--quiet`` prints none of it."""
-    import time
-
     from . import compile as jobs
     from . import kernel_cache
     from .core.backend import CACHE_DIR, get_backend
@@ -285,7 +360,6 @@ def _compile_kernels(config, args) -> dict | None:
     if not todo:
         return None
     names = kernel_cache.KERNEL_NAMES
-    show_progress = sys.stderr.isatty() and not args.no_progress and not args.quiet
 
     def note(text):
         if not args.quiet:
@@ -293,27 +367,13 @@ def _compile_kernels(config, args) -> dict | None:
 
     note(f"gpukv: compiling {len(todo)} of {len(names)} kernels ({', '.join(todo)}); this happens once: "
          f"they are kept in {CACHE_DIR}")
-    ready = [n for n in names if n not in todo]
-    busy: list = []
     t0 = time.perf_counter()
-
-    def progress(event, name):
-        if event == "ready":
-            ready.append(name)
-            busy.remove(name)
-        else:
-            busy.append(name)
-        if show_progress:
-            fill = 24 * len(ready) // len(names)
-            line = (f"[{'#' * fill}{'.' * (24 - fill)}] {len(ready)}/{len(names)} kernels  "
-                    f"compiling: {', '.join(busy) or '-'}  {time.perf_counter() - t0:.0f} s")
-            print(f"\r{line:<90}", end="", file=sys.stderr, flush=True)
-        elif event == "ready":
-            note(f"gpukv: {len(ready)}/{len(names)} kernels: {name} ready ({time.perf_counter() - t0:.0f} s)")
-
-    result = jobs.compile_kernels(config, progress=progress)
-    if show_progress:
-        print(file=sys.stderr)
+    if args.quiet:
+        result = jobs.compile_kernels(config)
+    else:
+        terminal = sys.stderr.isatty() and not args.no_progress  # else a line per kernel and every 10 s
+        with CompileProgress(len(names), [n for n in names if n not in todo], terminal=terminal) as progress:
+            result = jobs.compile_kernels(config, progress=progress)
     note(f"gpukv: kernels compiled in {time.perf_counter() - t0:.0f} s")
     return result
 

@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -332,9 +333,10 @@ def test_quiet_silences_the_compile_notes_and_the_progress(monkeypatch, capsys):
 
     monkeypatch.setattr(kernel_cache, "missing", lambda target: ["seq"])
 
-    def fake_compile(config, progress):
-        progress("start", "seq")
-        progress("ready", "seq")
+    def fake_compile(config, progress=None):
+        if progress is not None:  # --quiet passes none
+            progress("compiling", "seq")
+            progress("ready", "seq")
         return {"seq": "compiled"}
 
     monkeypatch.setattr(jobs, "compile_kernels", fake_compile)
@@ -399,3 +401,51 @@ def test_the_wheel_ships_the_readme_and_every_doc(tmp_path):
     shipped = sorted(n.split("/share/doc/gpukv/", 1)[1] for n in names if "/share/doc/gpukv/" in n)
     expected = sorted(["README.md", *(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))])
     assert shipped == expected
+
+
+# -- the compile progress moves ------------------------------------------------------------------------
+def _slow_compile(monkeypatch, seconds: float):
+    """compile_kernels with one job (seq and tree) that takes ``seconds``,
+    in this process; the kernels count as cached once it is done."""
+    from gpukv import compile as jobs
+
+    left = ["seq", "tree"]
+    monkeypatch.setattr(jobs, "missing", lambda target: [left.pop() for _ in list(left)][::-1])
+    monkeypatch.setattr(jobs, "run_job", lambda config, job: time.sleep(seconds))
+    return jobs
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_compile_progress_shows_each_kernels_elapsed_time_while_it_compiles(terminal, monkeypatch):
+    import io
+
+    jobs = _slow_compile(monkeypatch, 0.6)
+    out = io.StringIO()
+    clock = lambda: time.monotonic() * 50  # noqa: E731 -- 0.6 s of the job reads as 30 s
+    with cli.CompileProgress(6, ["commit", "hash", "match", "compact"], out=out, terminal=terminal,
+                              interval=0.1, clock=clock) as progress:
+        result = jobs.compile_kernels(gpukv.CacheConfig(backend="cpu"), progress=progress, processes=1)
+    assert result["seq"] == result["tree"] == "compiled"
+    text = out.getvalue()
+    shown = text.split("\r") if terminal else text.splitlines()
+    during = [int(m.group(1)) for m in map(re.compile(r"compiling:? seq (\d+) s, tree \d+ s").search, shown) if m]
+    assert len(during) >= 3, text  # redrawn (or written) while the job ran, not only when it started or ended
+    assert during == sorted(during) and during[-1] - during[0] >= 10  # the elapsed time moves
+    if terminal:
+        assert "6/6 kernels  compiling: -" in shown[-1] and text.endswith("\n")
+    else:
+        assert "(4/6 kernels ready," in text and text.splitlines()[-1].startswith("gpukv: 6/6 kernels: tree ready")
+
+
+def test_the_compile_progress_ticks_every_second_on_a_terminal_and_every_ten_on_a_pipe():
+    import io
+
+    CompileProgress = cli.CompileProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert CompileProgress(6, out=Terminal()).interval == 1.0
+    assert CompileProgress(6, out=io.StringIO()).interval == 10.0
+    assert CompileProgress(6, out=Terminal(), terminal=False).interval == 10.0  # --no-progress on a terminal
