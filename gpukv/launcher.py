@@ -279,14 +279,17 @@ class Launcher:
         if self.copier is not None:
             self.copier.rewind()  # after the reset: a reset count with a stale cursor reads as done
         n = int(counters[CNT_LOG_LEN])
-        if n or int(counters[CNT_RETIRED]):
+        retired = int(counters[CNT_RETIRED])
+        if n or retired:
             if self._drained is None:
                 # Read once: returning the freed rows may overwrite the
                 # retired list, so a resumed aftermath uses this copy.
                 records, tokens = t.read_log(n, int(counters[CNT_LOG_TOKENS_LEN]))
-                rows, kinds, at, digests = t.read_retired(int(counters[CNT_RETIRED]))
-                self._drained = (with_removals(records, rows, kinds, at, digests), tokens,
-                                 rows[kinds != RETIRED_REMOVED])
+                freed = None
+                if retired:  # most launches free no row: nothing to merge or give back
+                    rows, kinds, at, digests = t.read_retired(retired)
+                    records, freed = with_removals(records, rows, kinds, at, digests), rows[kinds != RETIRED_REMOVED]
+                self._drained = (records, tokens, freed)
             records, tokens, freed = self._drained
             m = len(records)
             if self.log_sink is not None and self._log_sunk < m:
@@ -296,7 +299,8 @@ class Launcher:
                 self.events.on_records(records, tokens, progress=self._log_fed)
             t.counters[CNT_LOG_LEN] = 0
             t.counters[CNT_LOG_TOKENS_LEN] = 0
-            t.return_rows(freed)
+            if freed is not None:
+                t.return_rows(freed)
         self._drained = None
         self._log_sunk = 0
         self._log_fed[0] = 0

@@ -431,7 +431,9 @@ class Tables:
         (keeping the ``kept`` rows of records not consumed yet; None: read
         from the counters)."""
         k = int(self.counters_host()[CNT_LOG_TOKENS_LEN]) if kept is None else kept
-        self.log_tokens = self._sized(self.log_tokens, k + blocks, k, self.log_budget[1], np.int32, zero=True)
+        table = self._sized(self.log_tokens, k + blocks, k, self.log_budget[1], np.int32, zero=True)
+        if table is not self.log_tokens:  # a store would make the kernels' table tuple anew
+            self.log_tokens = table
 
     def ensure_log(self, blocks: int, announced: int = 0):
         """Room in the change log, and in ``log_tokens``, for one launch of an
@@ -456,7 +458,9 @@ class Tables:
         kept = int(counters[CNT_LOG_LEN])
         self.ensure_log_tokens(announced, int(counters[CNT_LOG_TOKENS_LEN]))
         rows = kept + log_rows_for(blocks, announced, self.num_life_cycles)
-        self.log = self._sized(self.log, rows, kept, self.log_budget[0], np.int64)
+        table = self._sized(self.log, rows, kept, self.log_budget[0], np.int64)
+        if table is not self.log:
+            self.log = table
 
     def _sized(self, table, rows: int, kept: int, budget: int, dtype, zero: bool = False):
         """``table`` with room for ``rows`` rows, its first ``kept`` kept:
