@@ -236,8 +236,10 @@ class Launcher:
         self.launches = 0  # kernels run that may have changed the tables (host copies key on it)
         self._results = None  # the pending launch's results step
         self._log_fed = np.zeros(1, dtype=np.int64)  # records the event manager consumed
-        self._log_sunk = 0  # records the log sink received
-        self._drained = None  # the pending launch's records, freed rows: read once, kept until done
+        # The pending launch's records, token rows, freed rows and where its
+        # records start in the log sink: read once, kept until the aftermath is done.
+        self._drained = None
+        self._log_counters = tables.backend.to_device(np.array([CNT_LOG_LEN, CNT_LOG_TOKENS_LEN]))
 
     def launch(self, kernel, *args, results=None) -> None:
         """``kernel(tables, *args)``, then its aftermath (the kernels find
@@ -289,20 +291,17 @@ class Launcher:
                 if retired:  # most launches free no row: nothing to merge or give back
                     rows, kinds, at, digests = t.read_retired(retired)
                     records, freed = with_removals(records, rows, kinds, at, digests), rows[kinds != RETIRED_REMOVED]
-                self._drained = (records, tokens, freed)
-            records, tokens, freed = self._drained
-            m = len(records)
-            if self.log_sink is not None and self._log_sunk < m:
-                self.log_sink.extend(records[self._log_sunk:])
-                self._log_sunk = m
-            if self.events is not None and m:
+                sink_at = 0 if self.log_sink is None else len(self.log_sink)
+                self._drained = (records, tokens, freed, sink_at)
+            records, tokens, freed, sink_at = self._drained
+            if self.log_sink is not None:
+                self.log_sink[sink_at:] = records  # one store: a repeat replaces what an interrupted one added
+            if self.events is not None and len(records):
                 self.events.on_records(records, tokens, progress=self._log_fed)
-            t.counters[CNT_LOG_LEN] = 0
-            t.counters[CNT_LOG_TOKENS_LEN] = 0
+            t.counters[self._log_counters] = 0  # both in one store
             if freed is not None:
                 t.return_rows(freed)
         self._drained = None
-        self._log_sunk = 0
         self._log_fed[0] = 0
         err = int(counters[CNT_ERROR])
         self._results = None

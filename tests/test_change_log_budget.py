@@ -191,3 +191,47 @@ def test_conversation_events_are_consistent_on_a_tiny_log(tiny_log, config):
 def test_tree_operations_agree_with_the_oracle_on_a_tiny_log(tiny_log, case):
     model, T_, ops = case
     run_ops(Pair("cpu", model, T_), ops)
+
+
+def _clear_workload(mgr):
+    """Turns sharing prefixes, then a clear: a launch that retires every row."""
+    for n, base in ((10, 0), (14, 0), (9, 50), (21, 100)):
+        kv = mgr.create_kv_cache(input_tokens=list(range(base, base + n)))
+        assert kv.resume() and kv.resize(n, n)
+        kv.commit(list(range(base + kv.num_committed_tokens, base + n)))
+        kv.close()
+
+
+@pytest.mark.parametrize("where", ["settle", "return_rows", "with_removals", "read_retired"])
+def test_an_interrupted_drain_of_retired_rows_is_finished_once(where):
+    """A KeyboardInterrupt at every line of the aftermath's steps that report
+    and free the retired rows: the next call finishes it, and the records,
+    the events and the free stack are those of an uninterrupted twin."""
+    from test_launch_faults import Interrupter
+
+    def manager():
+        mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64, max_kv_event_entries=1000)
+        return mgr, introspect.record_log(mgr)
+
+    twin, twin_log = manager()
+    _clear_workload(twin)
+    twin.clear_reusable_blocks()
+    want = [(e.event_id, e.data, e.layer_group_id) for e in twin.get_latest_events()]
+    want_log = [r.tolist() for r in twin_log]
+    assert sum(r[LOG_KIND] == EV_REMOVED for r in want_log) > 5
+    fired = 0
+    for k in range(1, 60):
+        mgr, log = manager()
+        _clear_workload(mgr)
+        interrupt = Interrupter(only=where)
+        interrupt.arm(k)
+        interrupt(mgr.clear_reusable_blocks)
+        fired += interrupt.fired
+        got = [(e.event_id, e.data, e.layer_group_id) for e in mgr.get_latest_events()]  # settles first
+        assert got == want, f"line {k} of {where}"
+        assert [r.tolist() for r in log] == want_log, f"line {k} of {where}"
+        introspect.check_sanity(mgr)
+        t = mgr._tables
+        assert t.counters_host()[CNT_BLOCK_FREE_TOP] == t.num_rows  # every row back on the stack, once
+        assert sorted(t.block_free.tolist()) == list(range(t.num_rows))
+    assert fired > 3
