@@ -242,7 +242,7 @@ class CacheCalls:
         return list(map(S[slots].tolist().__getitem__, columns))  # one row: its Python ints
 
     # -- one cache: KVCache's methods (and create_kv_cache) ---------------------------------
-    def create_one(self, input_tokens, scope, priority_callback) -> KVCache:
+    def create_one(self, input_tokens, scope, priority_callback, made: list) -> KVCache:
         scope = as_scope(scope)
         queries = arrays = None
         if input_tokens is not None:
@@ -256,7 +256,7 @@ class CacheCalls:
                 arrays, queries = [a], [ValidTokens(a)]
         if priority_callback is not None and not callable(priority_callback):
             raise TypeError(f"priority_callback must be callable(ordinal, life_cycle_id) -> int, got {priority_callback!r}")
-        return self._create(queries, arrays, scope, [scope], [priority_callback])[0]
+        return self._create(queries, arrays, scope, [scope], [priority_callback], made)[0]
 
     def resume_one(self, slot: int) -> bool:
         _RESUME.require(self.pool.host_scalars[slot, Q_STATUS], SUSPENDED)
@@ -298,9 +298,10 @@ class CacheCalls:
             self._close(slot, int(evict_first), kv)
 
     # -- many caches: the manager's batched calls -------------------------------------------
-    def create(self, requests, scopes=None, priority_callbacks=None) -> list:
+    def create(self, requests, scopes, priority_callbacks, made: list) -> list:
         """New SUSPENDED caches, each holding what ``create_kv_cache`` would:
-        one match launch for all, then one launch holding their reused pages."""
+        one match launch for all, then one launch holding their reused pages
+        (``made``: as ``_create`` takes it)."""
         what = "create_kv_caches()"
         if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
             raise TypeError(f"{what}: requests must be a list of token sequences")
@@ -324,7 +325,7 @@ class CacheCalls:
                 arrays.append(a)
                 queries.append(ValidTokens(a))
         return self._create(queries, arrays, as_scope(scopes) if _one_scope(scopes) else scope_list, scope_list,
-                            callbacks)
+                            callbacks, made)
 
     def resume(self, caches) -> np.ndarray:
         naming = Entries("resume_batch()")
@@ -376,10 +377,12 @@ class CacheCalls:
             self._close(slots[go], first[go], caches if go.size == n else [caches[i] for i in go.tolist()])
 
     # -- the calls, over a slot or slots ----------------------------------------------------
-    def _create(self, queries, arrays, match_scopes, scope_list, callbacks) -> list:
+    def _create(self, queries, arrays, match_scopes, scope_list, callbacks, made: list) -> list:
         """Caches for ``callbacks`` (one per cache) in the scopes of
         ``scope_list``, holding what ``queries`` match (None: nothing
-        looked up), ``arrays`` their tokens."""
+        looked up), ``arrays`` their tokens; ``made``: an empty list the
+        caches are appended to as they are made (and returned), so that a
+        caller whose call fails after this returned can close them again."""
         n = len(callbacks)
         if not n:
             return []
@@ -399,14 +402,17 @@ class CacheCalls:
                 sid = tree.scope_id(s, create=True)
                 known[k] = (sid, tree.scope_key(sid), digest_to_int64x4(tree.scope_digest(sid)))
             sids[i], keys[i], digests[i] = known[k]
-        # Segments with room for the matched blocks, which reuse setup writes.
-        slots = self.pool.allocate(n, sids, keys, digests, nblocks, callbacks)
-        caches = [KVCache(self.ctx, self, s) for s in slots.tolist()]
-        # From here to the return, an exception (an interrupt included) means
-        # the caller never gets these caches: they must not stay open, holding
-        # their reused pages and keeping shutdown() refused.
+        # From the slots' allocation to the return, an exception (an
+        # interrupt included) means the caller never gets these caches: they
+        # must not stay open, holding their reused pages and keeping
+        # shutdown() refused, nor their slots stay taken.
+        taken = []
         try:
-            self.open_caches.update(caches)
+            # Segments with room for the matched blocks, which reuse setup writes.
+            slots = self.pool.allocate(n, sids, keys, digests, nblocks, callbacks, taken)
+            for s in slots.tolist():
+                made.append(KVCache(self.ctx, self, s))
+            self.open_caches.update(made)
             go = np.flatnonzero(matched > 0)
             if go.size == 1:
                 i = int(go[0])
@@ -424,12 +430,13 @@ class CacheCalls:
                 has_ssm = self.config.ssm_life_cycle_id is not None
                 for a, reused in zip(arrays, matched.tolist()):
                     stats.record(len(a), reused, self.T, has_ssm)
-            return caches
+            return made
         except BaseException:
             try:
-                self.close(caches)
+                self.close(made)
             except BaseException:
                 pass  # the first exception is the one to report
+            self.pool.give_back(taken, made)
             raise
 
     def _resume(self, naming, slots):

@@ -15,7 +15,12 @@ is reached, the live segments are packed to the front, in a bigger pool
 when they need it. Moves change the arrays, so a cache's views are rebuilt
 when the pool's generation changed. A slot is given back when its cache is
 garbage collected (a closed cache still answers its committed tokens until
-then).
+then), or by the call that took it when that call never made its cache.
+
+A slot is in use exactly while ``serial`` holds its cache's serial (-1:
+free); taking and giving back a slot are each one store into it, so an
+exception (an interrupt) anywhere around them leaves every slot either free
+or listed for its giving back, never lost.
 
 A slot is named by an int (a call on one cache) or an int64 array of them (a
 batched call); every method that takes ``slots`` takes either, so the calls
@@ -91,15 +96,13 @@ class CachePool:
         self.gen = 0  # bumped whenever a segment moves or an array is replaced
         self.top = 0  # the first block row no segment has used since the last packing
         self.seg = np.zeros((0, 2), dtype=np.int64)  # host copy: (base, blocks) per slot
-        self.used = np.zeros(0, dtype=bool)
         self.serial = np.zeros(0, dtype=np.int64)  # the serial of the slot's cache, -1 when free
         # Ordinals whose page priorities the slot's callback gave (NO_CALLBACK: none to ask).
         self.priorities_known = np.zeros(0, dtype=np.int64)
         # The priority callback of each slot's cache, until the cache closes
         # (a callback that refers to its cache would otherwise keep it alive).
         self.callbacks: list = []
-        self._free: list[int] = []  # free slots, a stack
-        self._released: list[int] = []  # slots of collected caches (appended from finalizers)
+        self._released: list[tuple] = []  # (slot, serial) given back (appended from finalizers too)
         self.arrays: SeqPool | None = None
         self._synced_seg = None  # the seg the kernels' copy was made from
         xp = backend.xp
@@ -111,19 +114,35 @@ class CachePool:
         self._pack(64)
 
     # -- slots --------------------------------------------------------------------------
-    def allocate(self, n: int, scope_ids, scope_keys, digests, blocks, callbacks) -> np.ndarray:
+    @property
+    def used(self) -> np.ndarray:
+        """Whether each slot is in use (bool per slot)."""
+        return self.serial >= 0
+
+    def slots_in_use(self) -> int:
+        """Slots held by caches (collected caches' slots taken back first)."""
+        self._take_released()
+        return int((self.serial >= 0).sum())
+
+    def allocate(self, n: int, scope_ids, scope_keys, digests, blocks, callbacks, taken: list) -> np.ndarray:
         """``n`` fresh slots, SUSPENDED with nothing committed, in the given
         scopes (``digests``: [n, 4] int64), each with room for ``blocks``
-        blocks, and the priority callback (or None) of each."""
+        blocks, and the priority callback (or None) of each.
+
+        ``taken`` gets ``(slots, serials)`` before the slots are taken: the
+        caller gives back (``give_back``) those it makes no cache of, also
+        when this raises."""
         self._take_released()
-        if len(self._free) < n:
+        free = np.flatnonzero(self.serial < 0)
+        if free.size < n:
             self._grow_slots(max(2 * self.seg.shape[0], self.seg.shape[0] + n))
-        slots = np.array(self._free[len(self._free) - n:][::-1], dtype=np.int64)
-        del self._free[len(self._free) - n:]
-        self.used[slots] = True
+            free = np.flatnonzero(self.serial < 0)
+        slots = free[:n]  # the lowest free slots
+        serials = np.fromiter(itertools.islice(_SERIALS, n), dtype=np.int64, count=n)
+        taken.append((slots, serials))
+        self.serial[slots] = serials  # taken: one store
         self.seg[slots] = 0
         self._synced_seg = None  # changed in place: the kernels' copy is re-made at the next launch
-        self.serial[slots] = np.fromiter(itertools.islice(_SERIALS, n), dtype=np.int64, count=n)
         for s, cb in zip(slots.tolist(), callbacks):
             self.callbacks[s] = cb
             self.priorities_known[s] = NO_CALLBACK if cb is None else 0
@@ -147,20 +166,35 @@ class CachePool:
         self._move(slots, np.maximum(np.asarray(blocks, dtype=np.int64), FIRST_BLOCKS))
         return slots
 
-    def release(self, slot: int) -> None:
-        """The cache of ``slot`` is gone (a finalizer: only noted here, taken
-        back at the next allocation)."""
-        self._released.append(slot)
+    def release(self, slot: int, serial: int) -> None:
+        """The cache of ``slot`` (of serial ``serial``) is gone (a finalizer:
+        only noted here, taken back at the next allocation); giving back a
+        slot twice is harmless."""
+        self._released.append((slot, serial))
+
+    def give_back(self, taken: list, caches) -> None:
+        """The slots of ``taken`` (``allocate``'s) that none of ``caches``
+        (KVCaches made of them) holds: their call failed before it made one."""
+        held = {kv._slot for kv in caches}
+        for slots, serials in taken:
+            for s, serial in zip(slots.tolist(), serials.tolist()):
+                if s not in held:
+                    self.release(s, serial)
 
     def _take_released(self):
-        while self._released:
-            s = self._released.pop()
-            self.used[s] = False
+        # Each entry is handled again if an exception cuts this short (the
+        # serial check makes that a no-op), and dropped only after: a
+        # finalizer may append meanwhile.
+        released = self._released
+        k = len(released)
+        for s, serial in released[:k]:
+            if self.serial[s] != serial:
+                continue  # given back already
             self.seg[s] = 0
             self._synced_seg = None
-            self.serial[s] = -1
             self.callbacks[s] = None
-            self._free.append(s)
+            self.serial[s] = -1  # free from here
+        del released[:k]
 
     def _grow_slots(self, n: int):
         self.gen += 1  # views taken before are stale from here on, whatever happens next
@@ -182,8 +216,6 @@ class CachePool:
                 a[:old] = getattr(self.arrays, name)
         seg = np.zeros((n, 2), dtype=np.int64)
         seg[:old] = self.seg
-        used = np.zeros(n, dtype=bool)
-        used[:old] = self.used
         serial = np.full(n, -1, dtype=np.int64)
         serial[:old] = self.serial
         known = np.zeros(n, dtype=np.int64)
@@ -198,9 +230,8 @@ class CachePool:
         # One step, so an exception anywhere in this method leaves the pool
         # either as it was or grown; ``host_scalars``: the scalars as last read
         # back (the device array itself off the GPU).
-        self.arrays, self.host_scalars, self.seg, self.used, self.serial, self.priorities_known, self.callbacks = (
-            arrays, host, seg, used, serial, known, callbacks)
-        self._free[:0] = list(range(n - 1, old - 1, -1))  # lowest slots taken first
+        self.arrays, self.host_scalars, self.seg, self.serial, self.priorities_known, self.callbacks = (
+            arrays, host, seg, serial, known, callbacks)
         self._sync_seg()
         self.gen += 1
 

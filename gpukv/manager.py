@@ -154,17 +154,21 @@ class KVCacheManager:
         return seq
 
     # -- sequences -------------------------------------------------------------------------
-    @serialized("mgr.create_kv_cache()")
     def create_kv_cache(self, input_tokens=None, scope=None, priority_callback=None) -> KVCache:
         """A new, SUSPENDED cache. With ``input_tokens`` it runs the same match as
         ``probe_reuse`` and holds the matched pages at once;
         ``num_committed_tokens`` is the reused length. ``priority_callback(ordinal,
         life_cycle_id) -> 0..100`` gives the eviction priority of the pages this
         cache creates (default 35; lower values are evicted first)."""
-        return self._calls.create_one(input_tokens, scope, priority_callback)
+        made = []  # closed again if the call raises after making the cache (_close_unreturned)
+        try:
+            return self._launcher.guard.run("mgr.create_kv_cache()", self._calls.create_one,
+                                            (input_tokens, scope, priority_callback, made), {})
+        except BaseException:
+            self._close_unreturned("mgr.create_kv_cache()", made)
+            raise
 
     # -- the engine step: many caches per call ---------------------------------------------
-    @serialized("mgr.create_kv_caches()")
     def create_kv_caches(self, requests, scopes=None, priority_callbacks=None) -> list:
         """``[create_kv_cache(r, scope, cb) for ...]`` in two launches: one match
         for all requests (as ``match_batch``), then one holding every cache's
@@ -172,7 +176,26 @@ class KVCacheManager:
         ``TokenSequence``s; ``scopes``: None, one ``ReuseScope`` or one per
         request; ``priority_callbacks``: None or one (callable or None) per
         request. The caches are SUSPENDED: ``resume_batch`` next."""
-        return self._calls.create(requests, scopes, priority_callbacks)
+        made = []  # closed again if the call raises after making them (_close_unreturned)
+        try:
+            return self._launcher.guard.run("mgr.create_kv_caches()", self._calls.create,
+                                            (requests, scopes, priority_callbacks, made), {})
+        except BaseException:
+            self._close_unreturned("mgr.create_kv_caches()", made)
+            raise
+
+    def _close_unreturned(self, what: str, made: list):
+        """The caches a creating call made, closed again: it raised after
+        making them (an interrupt included, on the call guard's way out too),
+        so its caller never got them, and open they would hold their reused
+        pages and keep ``shutdown()`` refused. The creating methods call this
+        from their own frame, outside the guard: the one that sees every way
+        out of the call."""
+        if made:
+            try:
+                self._launcher.guard.run(what, self._calls.close, (made,), {})
+            except BaseException:
+                pass  # the exception on its way out is the one to report
 
     @serialized("mgr.resume_batch()")
     def resume_batch(self, caches) -> np.ndarray:

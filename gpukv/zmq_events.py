@@ -63,7 +63,6 @@ import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from itertools import count
 
 from .core.config import KIND_FULL, KIND_SSM, KIND_SWA
 from .core.scope import ReuseScope
@@ -354,10 +353,22 @@ class ZmqEventPublisher:
         self._rank = data_parallel_rank
         self._translator = _Translator(mgr.tokens_per_block, mgr.life_cycles, lora_names)
         self._encoder = msgspec.msgpack.Encoder()
-        self._seq = count()
         self._next_event_id: int | None = None
+        # A publish cut short (an interrupt) leaves what the next one needs:
+        # ``_outbox`` its translated events not yet buffered, as (the sequence
+        # number they were to go out under, events); ``_torn`` True while the
+        # manager's events are drained and translated (cut there, what the
+        # translator was told is no longer what a router was: the next batch
+        # starts over); ``_live`` the first buffered sequence number not yet
+        # sent.
+        self._outbox: tuple | None = None
+        self._torn = False
+        self._live = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._buffer_lock = threading.Lock()
+        # Shared with the replay thread without a lock: an append and a
+        # ``tuple(buffer)`` are each one step under the GIL (and a lock
+        # left held by an exception between its acquiring and the block that
+        # releases it would stop both for good).
         self._subscriptions = 0
         self.events_lost = 0  # manager events dropped by its queue cap before a publish
         self._closed = False
@@ -383,7 +394,7 @@ class ZmqEventPublisher:
                 # The thread is handed what it serves, not the publisher, so a
                 # publisher dropped without close() is collected and closed.
                 self._thread = threading.Thread(
-                    target=_serve_replay, args=(self._replay, self._stop, self._buffer, self._buffer_lock, self._topic),
+                    target=_serve_replay, args=(self._replay, self._stop, self._buffer, self._topic),
                     name="gpukv-zmq-replay", daemon=True,
                 )
                 self._thread.start()
@@ -395,12 +406,26 @@ class ZmqEventPublisher:
     # -- publishing ------------------------------------------------------------------
     def publish(self) -> int | None:
         """Drain the manager's events and send them as one batch; its sequence
-        number, or None when there was nothing a router needs to hear."""
+        number, or None when there was nothing a router needs to hear.
+
+        A publish that raises (an interrupt too, wherever it lands) loses
+        nothing silently: a batch it buffered goes out with the next publish
+        (replayable meanwhile); events it translated go out in the next
+        batch; cut short while draining or translating, the next batch starts
+        with ``AllBlocksCleared``, so a router's view is never wrong, only
+        smaller."""
         self._check_open()
+        self._send_unsent()
+        seq = self._buffer[-1][0] + 1 if self._buffer else 0
+        out: list[dict] = []
+        if self._torn:
+            out += self._translator.clear()
+        elif self._outbox is not None and self._outbox[0] == seq:  # translated, never buffered
+            out += self._outbox[1]
+        self._torn = True
         ev = self._mgr._events
         events = self._mgr.get_latest_events()
         marks = ev.take_clear_marks()
-        out: list[dict] = []
         if events and self._next_event_id is not None and events[0].event_id != self._next_event_id:
             # The manager's queue cap dropped events: what a router holds can
             # no longer be kept exact, so it starts over from nothing.
@@ -414,19 +439,27 @@ class ZmqEventPublisher:
             self._next_event_id = event.event_id + 1
         if marks:
             out += self._translator.clear()
+        self._outbox, self._torn = (seq, out), False  # one step: translated, and kept until buffered
         self._drain_subscriptions()
         if not out:
             return None
-        seq = next(self._seq)
         payload = self._encoder.encode([time.time(), out, self._rank])
-        frames = (self._topic, seq.to_bytes(8, "big"), payload)
-        with self._buffer_lock:
-            self._buffer.append((seq, payload))
-        try:
-            self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # a subscriber past its high-water mark: it can replay this batch
+        self._buffer.append((seq, payload))  # published from here on: sent below or by the next publish
+        self._send_unsent()
         return seq
+
+    def _send_unsent(self):
+        """Send the buffered batches not sent yet, in order: normally the one
+        just buffered; more after a publish was cut short. A batch counts as
+        sent before it goes, so one is never sent twice (cut in between, a
+        router sees the gap and replays it)."""
+        if self._buffer and self._buffer[-1][0] >= self._live:
+            for s, payload in [(s, p) for s, p in tuple(self._buffer) if s >= self._live]:
+                self._live = s + 1
+                try:
+                    self._pub.send_multipart((self._topic, s.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # a subscriber past its high-water mark: it can replay this batch
 
     @property
     def subscriptions(self) -> int:
@@ -479,7 +512,7 @@ class ZmqEventPublisher:
                 self._subscriptions = max(0, self._subscriptions - 1)
 
 
-def _serve_replay(sock, stop, buffer, lock, topic: bytes):
+def _serve_replay(sock, stop, buffer, topic: bytes):
     """The replay thread: answer each request with the buffered batches from
     the asked sequence number on, then the end marker."""
     while not stop.is_set():
@@ -494,8 +527,7 @@ def _serve_replay(sock, stop, buffer, lock, topic: bytes):
             _send_replay(sock, client, (b"", END_SEQ, b""))  # malformed: answered with the end marker alone
             continue
         start = int.from_bytes(frames[2], "big", signed=True)
-        with lock:
-            batches = [(s, p) for s, p in buffer if s >= start]
+        batches = [(s, p) for s, p in tuple(buffer) if s >= start]
         for s, p in batches:
             _send_replay(sock, client, (topic, s.to_bytes(8, "big"), p))
         _send_replay(sock, client, (b"", END_SEQ, b""))

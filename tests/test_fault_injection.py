@@ -462,10 +462,11 @@ def test_faults_anywhere_cudasim():
 # ---------------------------------------------------------------------------
 
 
-def interrupt_at_line(k: int):
+def interrupt_at_line(k: int, where=None):
     """A trace function raising KeyboardInterrupt before the ``k``-th line of
-    gpukv's host code (``_interruptible``) that runs while it is set, as a
-    signal handler would; returns (trace, fired: the lines it fired at)."""
+    gpukv's host code (``_interruptible``; and ``where(code)`` if given) that
+    runs while it is set, as a signal handler would; returns (trace, fired:
+    the lines it fired at)."""
     left, fired = [k], []
 
     def local(frame, event, arg):
@@ -477,7 +478,7 @@ def interrupt_at_line(k: int):
         return local
 
     def trace(frame, event, arg):
-        return local if _interruptible(frame.f_code) else None
+        return local if _interruptible(frame.f_code) and (where is None or where(frame.f_code)) else None
 
     return trace, fired
 
