@@ -41,6 +41,7 @@ caches, both input forms and every call's rules and table room, each once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from operator import attrgetter
 
 import numpy as np
@@ -79,6 +80,7 @@ _STATUS_NAMES = {SUSPENDED: "SUSPENDED", ACTIVE: "ACTIVE", CLOSED: "CLOSED"}
 # (``type(x) is _ARRAY`` is ``cache_pool.is_batch`` without the call: these
 # run several times in every per-cache call)
 _ARRAY = np.ndarray
+_BOOLS = frozenset({bool, np.bool_})
 
 
 def _any(bad) -> bool:
@@ -303,9 +305,12 @@ class CacheCalls:
         one match launch for all, then one launch holding their reused pages
         (``made``: as ``_create`` takes it)."""
         what = "create_kv_caches()"
-        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
-            raise TypeError(f"{what}: requests must be a list of token sequences")
+        if not (_entries(requests) or isinstance(requests, np.ndarray) and requests.ndim == 2):
+            raise TypeError(f"{what}: requests must be a list of token sequences, got {type(requests).__name__}")
         n = len(requests)
+        if priority_callbacks is not None and not _entries(priority_callbacks):
+            raise TypeError(f"{what}: priority_callbacks must be None or one callable (or None) per request (a list), "
+                            f"got {priority_callbacks!r}")
         callbacks = [None] * n if priority_callbacks is None else list(priority_callbacks)
         if len(callbacks) != n:
             raise ValueError(f"{what}: priority_callbacks has {len(callbacks)} entries for {n} requests")
@@ -665,8 +670,8 @@ class CacheCalls:
     # -- a batched call's input -------------------------------------------------------------
     def slots(self, caches, what: str) -> np.ndarray:
         """The pool slots of ``caches``: a list of this manager's caches, each once."""
-        if isinstance(caches, (str, bytes)) or not hasattr(caches, "__len__"):
-            raise TypeError(f"{what}: caches must be a list of KVCache")
+        if not _entries(caches):
+            raise TypeError(f"{what}: caches must be a list of KVCache (in order), got {type(caches).__name__}")
         n = len(caches)
         pool = self.pool
         if n == 1:  # admission chunks: one cache per call, checked without arrays
@@ -696,12 +701,19 @@ class CacheCalls:
     @staticmethod
     def ints(values, n: int, name: str, what: str) -> np.ndarray:
         """One non-negative int per cache."""
-        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-            raise TypeError(f"{what}: {name} must be one non-negative int per cache")
+        if not _entries(values):
+            raise TypeError(f"{what}: {name} must be one non-negative int per cache (a list or a 1-D array), "
+                            f"got {type(values).__name__}")
         if len(values) != n:
             raise ValueError(f"{what}: {name} has {len(values)} entries for {n} caches")
-        a = np.asarray(values)
-        if n and (a.ndim != 1 or a.dtype.kind not in "iu"):
+        # NumPy takes a bool for an int, and a ragged list only with an error of its own.
+        a = None
+        if isinstance(values, np.ndarray) or not _BOOLS.intersection(map(type, values)):
+            try:
+                a = np.asarray(values)
+            except ValueError:
+                pass  # ragged: the entry is named below
+        if n and (a is None or a.ndim != 1 or a.dtype.kind not in "iu"):
             for i, v in enumerate(values):
                 if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
                     raise TypeError(f"{what}: {name}[{i}] must be a non-negative int, got {v!r}")
@@ -717,7 +729,7 @@ class CacheCalls:
         """A bool for all, or one per cache."""
         if isinstance(values, (bool, np.bool_)):
             return np.full(n, bool(values))
-        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        if not _entries(values):
             raise TypeError(f"{what}: {name} must be a bool or one bool per cache, got {values!r}")
         if len(values) != n:
             raise ValueError(f"{what}: {name} has {len(values)} entries for {n} caches")
@@ -736,7 +748,7 @@ class CacheCalls:
             if offsets.shape[0] != n + 1:
                 raise ValueError(f"{what}: offsets has {offsets.shape[0]} entries for {n} caches (needs {n + 1})")
             return flat, self.backend.to_host(offsets), None
-        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+        if not _entries(tokens) or isinstance(tokens, np.ndarray):
             raise TypeError(f"{what}: tokens must be a list of token sequences or a (flat_tokens, offsets) pair")
         if len(tokens) != n:
             raise ValueError(f"{what}: tokens has {len(tokens)} entries for {n} caches")
@@ -748,8 +760,8 @@ class CacheCalls:
     def _scope_list(scopes, n: int, what: str) -> list:
         if _one_scope(scopes):
             return [as_scope(scopes)] * n
-        if isinstance(scopes, (str, bytes)) or not hasattr(scopes, "__len__"):
-            raise TypeError(f"{what}: scopes must be None, one gpukv.ReuseScope, or one per request")
+        if not _entries(scopes):
+            raise TypeError(f"{what}: scopes must be None, one gpukv.ReuseScope, or one per request (a list)")
         if len(scopes) != n:
             raise ValueError(f"{what}: scopes has {len(scopes)} entries for {n} requests")
         out = []
@@ -768,6 +780,15 @@ def _holds_digests(tokens: np.ndarray) -> bool:
 
 def _one_scope(scopes) -> bool:
     return scopes is None or isinstance(scopes, ReuseScope)
+
+
+def _entries(values) -> bool:
+    """Whether ``values`` is one entry per cache or request: an ordered
+    sequence (a list, a tuple, a 1-D array), never a set or a mapping, whose
+    order would pair its entries with the caches arbitrarily."""
+    if isinstance(values, np.ndarray):
+        return values.ndim == 1
+    return isinstance(values, Sequence) and not isinstance(values, (str, bytes, bytearray))
 
 
 def _int(name, v) -> int:

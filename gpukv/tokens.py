@@ -136,7 +136,10 @@ def flatten(requests: Sequence, intern: Callable[[bytes], int]) -> tuple[np.ndar
                 digest_requests.append(i)
         elif type(r) is ValidTokens:
             digest_requests.append(i)
-        flat[lo:hi] = token_array(r, intern, request=i)
+        arr, digests = tokens_and_digests(r, intern, request=i)
+        if digests:  # any other sequence (a deque, a range) holding digests
+            digest_requests.append(i)
+        flat[lo:hi] = arr
     if packed:
         small = np.flatnonzero((flat >= 0) & (flat <= 1))
         owner = np.searchsorted(offsets, small, side="right") - 1

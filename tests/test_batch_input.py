@@ -230,3 +230,47 @@ def _workload(backend):
 @pytest.mark.parametrize("backend", [p for p in backend_params() if p.values[0] != "cpu"])
 def test_the_cuda_kernels_end_in_the_cpu_state(backend):
     assert _workload(backend) == _workload("cpu")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m, k: m.resize_batch(k, [True, 12, 12]), r"resize_batch\(\): capacities\[0\] must be a non-negative int, got True"),
+    (lambda m, k: m.resize_batch(k, [12, 12, 12], [6, np.True_, 6]),
+     r"history_lengths\[1\] must be a non-negative int, got np.True_|history_lengths\[1\] must be a non-negative int, got True"),
+    (lambda m, k: m.resize_batch(k, [[12, 13], [12], 12]), r"resize_batch\(\): capacities\[0\] must be a non-negative int"),
+    (lambda m, k: m.resize_batch(k, np.array(12)), r"resize_batch\(\): capacities must be one non-negative int per cache"),
+    (lambda m, k: m.resize_batch(set(k), [12, 12, 12]), r"resize_batch\(\): caches must be a list of KVCache \(in order\), got set"),
+    (lambda m, k: m.commit_batch(set(k), [[1], [2], [3]]), r"commit_batch\(\): caches must be a list"),
+    (lambda m, k: m.close_batch(frozenset(k)), r"close_batch\(\): caches must be a list"),
+    (lambda m, k: m.resume_batch({kv: 1 for kv in k}), r"resume_batch\(\): caches must be a list"),
+    (lambda m, k: m.close_batch(k, np.array(True)), r"close_batch\(\): evict_first must be a bool or one bool per cache"),
+    (lambda m, k: m.commit_batch(k, np.array(5)), r"commit_batch\(\): tokens must be a list of token sequences"),
+    (lambda m, k: m.create_kv_caches([[1, 2]], priority_callbacks=lambda o, lc: 35),
+     r"create_kv_caches\(\): priority_callbacks must be None or one callable \(or None\) per request"),
+    (lambda m, k: m.create_kv_caches({(1, 2), (3, 4)}), r"create_kv_caches\(\): requests must be a list of token sequences, got set"),
+])
+def test_unordered_ragged_or_bool_entries_are_refused_by_name(mgr, call, match):
+    """A bool is no capacity, a set pairs its entries with the caches in no
+    order, a ragged or 0-d array is no list of ints, one callable is not one
+    per request: each refused naming the argument (and the entry), nothing
+    changed."""
+    kvs = running(mgr, 3)
+    with rejected(mgr, kvs, TypeError, match):
+        call(mgr, kvs)
+    assert len(mgr._open_caches) == 3
+
+
+def test_a_digest_inside_any_sequence_is_taken_by_the_batched_calls(mgr):
+    """A valid digest inside a sequence that is not a list (a deque) reads as
+    it does in a list, for ``commit_batch`` and ``match_batch`` as for
+    ``kv.commit`` (it was refused as an out-of-range token)."""
+    from collections import deque
+
+    digest = bytes(range(32))
+    tokens = [1, 2, digest, 4, 5, 6, 7, 8]
+    (kv,) = mgr.create_kv_caches([[]])
+    assert mgr.resume_batch([kv]).all() and mgr.resize_batch([kv], [8], [8]).all()
+    mgr.commit_batch([kv], [deque(tokens)])
+    assert kv.committed_tokens == tokens
+    kv.close()
+    reused = mgr.probe_reuse(tokens)
+    assert reused > 0 and mgr.match_batch([deque(tokens)]).to_host().num_tokens.tolist() == [reused]
