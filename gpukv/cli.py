@@ -128,7 +128,7 @@ def docs_folder() -> str | None:
             places.append(Path(sysconfig.get_path("data", scheme)) / "share" / "doc" / "gpukv")
         except KeyError:  # a platform without a user scheme
             continue
-    return next((str(p) for p in places if (p / "docs" / "api.md").is_file()), None)
+    return next((str(p) for p in places if (p / "README.md").is_file() and (p / "docs").is_dir()), None)
 
 
 def _package_version() -> str:
@@ -365,8 +365,11 @@ def _compile_kernels(config, args) -> dict | None:
         if not args.quiet:
             print(text, file=sys.stderr, flush=True)
 
-    note(f"gpukv: compiling {len(todo)} of {len(names)} kernels ({', '.join(todo)}); this happens once: "
-         f"they are kept in {CACHE_DIR}")
+    kept = kernel_cache.where_kept(target)
+    note(f"gpukv: compiling {len(todo)} of {len(names)} kernels ({', '.join(todo)}); "
+         + (f"this happens once: they are kept in {kept}" if kept else
+            f"they cannot be kept on disk ({CACHE_DIR} cannot be written), so every run compiles them again: "
+            "set GPUKV_CACHE_DIR to a writable folder"))
     t0 = time.perf_counter()
     if args.quiet:
         result = jobs.compile_kernels(config)
@@ -399,7 +402,8 @@ def cmd_compile(args) -> int:
     result = _compile_kernels(config, args)
     n = len(kernel_cache.KERNEL_NAMES)
     compiled = 0 if result is None else sum(how == "compiled" for how in result.values())
-    print(f"{n} kernels in the kernel cache ({compiled} compiled now, {n - compiled} already there): {CACHE_DIR}")
+    kept = kernel_cache.where_kept(backend.target) or f"nowhere: {CACHE_DIR} cannot be written"
+    print(f"{n} kernels in the kernel cache ({compiled} compiled now, {n - compiled} already there): {kept}")
     return 0
 
 
@@ -461,6 +465,8 @@ def cmd_simulate(args) -> int:
         else:
             runs.append(sim.run_simulation(workload, options, progress=progress))
     summaries = [s for _, s in runs]
+    for s in summaries:  # start-up, the backend probe, loading or compiling kernels, warm-ups: all of it
+        s["wall_s"] = time.perf_counter() - args.started
     if args.plot:
         report.plot([r for r, _ in runs], args.plot)
     if args.json:
@@ -585,7 +591,24 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"info": cmd_info, "simulate": cmd_simulate, "match": cmd_match, "compile": cmd_compile}
 
 
+def _process_age_s() -> float | None:
+    """Wall seconds since this process started, the interpreter's start-up
+    and imports included (Linux: from /proc); None where that is unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, from field 3 on
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: the start time
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def main(argv=None) -> int:
+    # The whole run's wall time starts with the process when main is the
+    # program (no argv given), else with this call (main called in-process).
+    age = _process_age_s() if argv is None else None
+    started = time.perf_counter() - (age or 0.0)
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
@@ -596,6 +619,7 @@ def main(argv=None) -> int:
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as e:  # argparse has printed the usage (or the version) and what is wrong
         return int(e.code or 0)
+    args.started = started
     from .core.backend import BackendError
     from .sim.report import MissingDependency
 

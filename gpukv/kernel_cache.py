@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 
@@ -72,6 +73,33 @@ def is_cached(dispatcher) -> bool:
         return False
 
 
+def folders(target: str) -> dict:
+    """Name -> the folder where Numba keeps the kernel (``cpu``), or None
+    where it cannot keep it at all. The kernel cache (``CACHE_DIR``) when it
+    can be written; else the first place Numba's own locators find writable
+    (the package's ``__pycache__``, Numba's user-wide cache)."""
+    if target != "cpu":
+        return {}
+    out = {}
+    for name, d in _dispatchers(target).items():
+        impl = getattr(getattr(d, "_cache", None), "_impl", None)  # a NullCache has none: nothing is kept
+        out[name] = None if impl is None else impl.locator.get_cache_path()
+    return out
+
+
+def where_kept(target: str) -> str | None:
+    """Where the kernels are kept, in words for a person: the kernel cache,
+    the other folders Numba chose instead, or None when nowhere."""
+    from .core.backend import CACHE_DIR
+
+    places = set(folders(target).values())
+    if not places or None in places:
+        return None
+    if all(p == CACHE_DIR or p.startswith(CACHE_DIR + os.sep) for p in places):
+        return CACHE_DIR
+    return ", ".join(sorted(places))
+
+
 def missing(target: str) -> list[str]:
     """The names of the kernels that a first call would compile."""
     if target != "cpu":
@@ -94,13 +122,26 @@ def announce(target: str) -> None:
         _announced.add(target)
         for name, k in kernels(target).items():
             _names[id(k)] = (name, target)
+    kept = where_kept(target)
+    if kept is None:
+        log.warning(
+            "the kernels cannot be kept on disk (%s cannot be written, nor any folder Numba falls back to): "
+            "every process compiles them again, minutes on a small machine; set GPUKV_CACHE_DIR to a "
+            "writable folder", CACHE_DIR,
+        )
+    elif kept != CACHE_DIR:
+        log.warning(
+            "the kernel cache %s cannot be written: the kernels are kept in %s instead; set GPUKV_CACHE_DIR "
+            "to a writable folder to keep them where every install of these sources finds them",
+            CACHE_DIR, kept,
+        )
     todo = missing(target)
     if todo:
         log.info(
             "%d of %d kernels are not in the kernel cache yet (%s): each is compiled once, on its first use "
-            "(minutes in all on a small machine), and kept in %s for every later run; "
-            "`gpukv compile` builds them ahead of time",
-            len(todo), len(KERNEL_NAMES), ", ".join(todo), CACHE_DIR,
+            "(minutes in all on a small machine)%s; `gpukv compile` builds them ahead of time",
+            len(todo), len(KERNEL_NAMES), ", ".join(todo),
+            f", and kept in {kept} for every later run" if kept else "",
         )
 
 

@@ -370,11 +370,11 @@ def test_an_install_finds_the_docs_in_its_share_folder(tmp_path, monkeypatch):
 
     share = tmp_path / "share" / "doc" / "gpukv"
     (share / "docs").mkdir(parents=True)
-    (share / "docs" / "api.md").write_text("# guide\n")
+    (share / "README.md").write_text("# gpukv\n")
     monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "gpukv" / "cli.py"))
     monkeypatch.setattr(sysconfig, "get_path", lambda name, scheme=None: str(tmp_path))
     assert cli.docs_folder() == str(share)
-    (share / "docs" / "api.md").unlink()
+    (share / "README.md").unlink()
     assert cli.docs_folder() is None
 
 
@@ -449,3 +449,120 @@ def test_the_compile_progress_ticks_every_second_on_a_terminal_and_every_ten_on_
     assert CompileProgress(6, out=Terminal()).interval == 1.0
     assert CompileProgress(6, out=io.StringIO()).interval == 10.0
     assert CompileProgress(6, out=Terminal(), terminal=False).interval == 10.0  # --no-progress on a terminal
+
+
+# -- the CUDA probe is lazy and cheap ------------------------------------------------------------------
+def test_a_cpu_manager_never_probes_for_cuda():
+    import os
+    import subprocess
+
+    code = ("import sys, gpukv; from gpukv.core import backend; "
+            "gpukv.KVCacheManager(gpukv.CacheConfig(backend='cpu')); "
+            "print(backend.cuda_unusable_reason.cache_info().currsize, 'cupy' in sys.modules, "
+            "any(m == 'numba_cuda' or m.startswith('numba.cuda') for m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUKV_BACKEND", "NUMBA_ENABLE_CUDASIM")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "False", "False"]  # not asked, nothing of CUDA imported
+
+
+def test_auto_without_a_cuda_driver_imports_neither_cupy_nor_numba_cuda(monkeypatch):
+    """With the cuda extra installed on a machine without a GPU, ``auto``
+    stops at the driver: CuPy and numba.cuda cost a second or more to import."""
+    import builtins
+
+    from gpukv.core import backend
+
+    monkeypatch.setattr(backend, "simulator_enabled", lambda: False)
+    monkeypatch.setattr(backend, "_installed", lambda name: True)  # as if the cuda extra were there
+    monkeypatch.setattr(backend, "cuda_driver_missing", lambda: "no CUDA driver here (the test's)")
+    monkeypatch.delenv("GPUKV_BACKEND", raising=False)
+    imported = []
+    real_import = builtins.__import__
+
+    def recording(name, globals=None, locals=None, fromlist=(), level=0):
+        imported.extend([name, *(f"{name}.{f}" for f in fromlist or ())])
+        return real_import(name, globals, locals, fromlist, level)
+
+    backend.cuda_unusable_reason.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", recording)
+    try:
+        assert backend.resolve("auto") == "cpu"
+        assert backend.cuda_unusable_reason() == "no CUDA driver here (the test's)"
+    finally:
+        monkeypatch.setattr(builtins, "__import__", real_import)
+        backend.cuda_unusable_reason.cache_clear()
+    assert not [n for n in imported if n.split(".")[0] in ("cupy", "numba_cuda") or n.startswith("numba.cuda")]
+
+
+def test_the_cuda_probe_says_what_is_missing(monkeypatch):
+    from gpukv.core import backend
+
+    monkeypatch.setattr(backend, "simulator_enabled", lambda: False)
+    monkeypatch.setattr(backend, "_installed", lambda name: False)
+    backend.cuda_unusable_reason.cache_clear()
+    try:
+        assert backend.cuda_unusable_reason() == "CuPy is not installed (pip install 'gpukv[cuda]')"
+    finally:
+        backend.cuda_unusable_reason.cache_clear()
+    monkeypatch.setattr(backend, "_DRIVER_LIBRARY", "libgpukv-no-such-driver.so.1")
+    assert "libgpukv-no-such-driver.so.1 does not load" in backend.cuda_driver_missing()
+
+
+# -- an unwritable kernel cache is said, once ------------------------------------------------------
+def _announced_afresh(monkeypatch, caplog, kept: dict):
+    from gpukv import kernel_cache
+
+    monkeypatch.setattr(kernel_cache, "folders", lambda target: kept)
+    monkeypatch.setattr(kernel_cache, "missing", lambda target: ["seq"])
+    monkeypatch.setattr(kernel_cache, "_announced", set())
+    with caplog.at_level(logging.INFO, logger="gpukv"):
+        kernel_cache.announce("cpu")
+        kernel_cache.announce("cpu")  # once per process
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "gpukv"]
+
+
+def test_kernels_that_cannot_be_kept_are_warned_about_once(monkeypatch, caplog):
+    said = _announced_afresh(monkeypatch, caplog, {"seq": None, "tree": "/x"})
+    warnings = [m for level, m in said if level == "WARNING"]
+    assert len(warnings) == 1 and "cannot be kept on disk" in warnings[0] and "GPUKV_CACHE_DIR" in warnings[0]
+    [info] = [m for level, m in said if level == "INFO"]
+    assert "kept in" not in info  # it does not claim a folder that holds nothing
+
+
+def test_kernels_kept_elsewhere_say_where(monkeypatch, caplog):
+    from gpukv.core.backend import CACHE_DIR
+
+    said = _announced_afresh(monkeypatch, caplog, {"seq": "/pkg/gpukv/kernels/__pycache__"})
+    [(level, warning), (_, info)] = said
+    assert level == "WARNING" and f"the kernel cache {CACHE_DIR} cannot be written" in warning
+    assert "kept in /pkg/gpukv/kernels/__pycache__ instead" in warning
+    assert "kept in /pkg/gpukv/kernels/__pycache__ for every later run" in info
+
+
+def test_a_writable_kernel_cache_keeps_every_kernel_and_warns_of_nothing(monkeypatch, caplog):
+    from gpukv import kernel_cache
+    from gpukv.core.backend import CACHE_DIR
+
+    assert kernel_cache.where_kept("cpu") == CACHE_DIR
+    assert set(kernel_cache.folders("cpu")) >= set(kernel_cache.KERNEL_NAMES)
+    said = _announced_afresh(monkeypatch, caplog, {"seq": CACHE_DIR + "/gpukv_kernels"})
+    assert [level for level, _ in said] == ["INFO"] and f"kept in {CACHE_DIR} for every later run" in said[0][1]
+
+
+def test_an_unwritable_cache_dir_names_the_folder_numba_falls_back_to(tmp_path):
+    import os
+    import subprocess
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a folder cannot be made under a file, even by root
+    code = ("import logging, gpukv; from gpukv import kernel_cache; logging.basicConfig(); "
+            "print(kernel_cache.where_kept('cpu')); gpukv.KVCacheManager(gpukv.CacheConfig(backend='cpu'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUKV_BACKEND", "NUMBA_ENABLE_CUDASIM")}
+    env["GPUKV_CACHE_DIR"] = str(blocked / "cache")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    kept = out.stdout.strip()
+    assert kept and not kept.startswith(str(blocked))
+    warnings = [line for line in out.stderr.splitlines() if "cannot be written" in line]
+    assert len(warnings) == 1 and f"kept in {kept} instead" in warnings[0]

@@ -281,3 +281,34 @@ def test_trace_lengths_disagree_with_hash_ids(tmp_path, capsys):
 
 def test_missing_trace_file(tmp_path, capsys):
     bad(capsys, ["--trace", str(tmp_path / "nope.jsonl"), "--backend", "cpu"], "nope.jsonl")
+
+
+def test_the_wall_time_covers_the_whole_run(capsys):
+    """Called in-process, the run's wall time is the call's: the warm-up and
+    kernel loading included, more than the simulation alone."""
+    import time
+
+    t0 = time.perf_counter()
+    assert cli.main([*SMALL, "--json"]) == 0
+    took = time.perf_counter() - t0
+    s = json.loads(capsys.readouterr().out)
+    assert 0 < s["simulation_wall_s"] < s["wall_s"] <= took
+
+
+def test_the_commands_wall_time_starts_with_the_process():
+    """Run as the program, the wall time counts from the process's start:
+    the interpreter, the imports and the backend choice too."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUKV_BACKEND", "NUMBA_ENABLE_CUDASIM")}
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "gpukv.cli", "--limit", "0", "--json", "--no-progress"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    took = time.perf_counter() - t0
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    assert s["requests"] == 0 and s["simulation_wall_s"] < s["wall_s"]
+    assert 0.5 * took <= s["wall_s"] <= took + 0.02  # /proc counts in 10 ms ticks

@@ -109,15 +109,50 @@ def simulator_enabled() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
+# The CUDA driver's library, which every CUDA program loads: where it does not
+# load there is no GPU to use, and the probe ends before importing CuPy and
+# numba.cuda (a second or more of imports on a machine with the cuda extra).
+_DRIVER_LIBRARY = {"win32": "nvcuda.dll", "darwin": None}.get(sys.platform, "libcuda.so.1")
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` could be imported, without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def cuda_driver_missing() -> str | None:
+    """Why the CUDA driver cannot be loaded here, or None when it can."""
+    if _DRIVER_LIBRARY is None:
+        return f"CUDA has no driver on this platform ({sys.platform})"
+    import ctypes
+
+    try:
+        ctypes.CDLL(_DRIVER_LIBRARY)
+    except OSError as e:
+        return f"no CUDA driver here ({_DRIVER_LIBRARY} does not load: {e})"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def cuda_unusable_reason() -> str | None:
     """Why the ``cuda`` backend cannot run here, or None when it can.
 
     A real GPU, CuPy and Numba's CUDA target must all work; the first failure
     is named with its exception's message, so an ``auto`` that fell back to
-    ``cpu`` can say why (``gpukv info``)."""
+    ``cpu`` can say why (``gpukv info``). Asked only when a backend must be
+    chosen (``auto``) or ``cuda`` is asked for, and once per process; the
+    cheap checks come first (is CuPy installed, does the driver load), so a
+    machine without a GPU answers in milliseconds, importing neither CuPy
+    nor numba.cuda."""
     if simulator_enabled():
         return "Numba's CUDA simulator is enabled in this process (NUMBA_ENABLE_CUDASIM=1)"
+    if not _installed("cupy"):
+        return "CuPy is not installed (pip install 'gpukv[cuda]')"
+    missing_driver = cuda_driver_missing()
+    if missing_driver is not None:
+        return missing_driver
     try:
         import cupy
     except Exception as e:  # noqa: BLE001 -- any import failure is the answer

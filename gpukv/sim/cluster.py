@@ -237,6 +237,7 @@ def run_cluster(workload: Workload, options: SimOptions, workers: int, kv_events
         else:
             out.write(f"{text}\n")
 
+    started = time.perf_counter()
     options.validate()
     warm_up(replace(options, kv_events=False))
     bar = ProgressBar(len(workload.requests)) if progress else None
@@ -258,7 +259,7 @@ def run_cluster(workload: Workload, options: SimOptions, workers: int, kv_events
             publishers.close()
     if bar is not None:
         bar.close()
-    summary = summarize(cluster, wall)
+    summary = summarize(cluster, wall, time.perf_counter() - started)
     summary["workers"] = workers
     summary["requests_per_worker"] = list(cluster.routed)
     if publishers is not None:
