@@ -566,3 +566,23 @@ def test_an_unwritable_cache_dir_names_the_folder_numba_falls_back_to(tmp_path):
     assert kept and not kept.startswith(str(blocked))
     warnings = [line for line in out.stderr.splitlines() if "cannot be written" in line]
     assert len(warnings) == 1 and f"kept in {kept} instead" in warnings[0]
+
+
+def test_plot_help_describes_the_figure_it_draws(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for panel in ("tokens computed over time", "the recomputation per-page coverage saves",
+                  "SSM snapshot hits over time, on a block boundary and inside one", "match_batch latency"):
+        assert panel in text, panel
+
+
+def test_a_call_on_a_cache_of_the_wrong_status_reads_as_english():
+    mgr = gpukv.KVCacheManager(gpukv.CacheConfig(tokens_per_block=4, layers=[gpukv.Attention()],
+                                                 pages_per_life_cycle=8, backend="cpu"))
+    kv = mgr.create_kv_cache()  # SUSPENDED
+    with pytest.raises(gpukv.LogicError, match=r"needs an ACTIVE KV cache; this one is SUSPENDED"):
+        kv.resize(4)
+    kv.close()
+    with pytest.raises(gpukv.LogicError, match=r"needs a SUSPENDED KV cache; this one is CLOSED"):
+        kv.resume()
