@@ -87,6 +87,10 @@ def _any(bad) -> bool:
     return bool(bad.any()) if type(bad) is _ARRAY else bool(bad)
 
 
+def _all(good) -> bool:
+    return bool(good.all()) if type(good) is _ARRAY else bool(good)
+
+
 def _first(bad) -> int:
     """The first entry where ``bad`` holds (0 for one cache)."""
     return int(np.argmax(bad)) if type(bad) is _ARRAY else 0
@@ -466,17 +470,21 @@ class CacheCalls:
                 naming.check(shrink & held, ValueError,
                              "cannot shrink the capacity while scratch slots are held (suspend first)")
         blocks = -(-cap // self.T)
-        # Refused before anything is allocated for the new blocks: more than a whole pool.
-        ok = pools_can_hold(self.pool.hold_rules, self.T, have, blocks, hist)
+        # Refused before anything is allocated for the new blocks: more than a
+        # whole pool, or more blocks than all the pools have pages.
+        ok = pools_can_hold(self.pool.hold_rules, self.T, have, blocks, hist) & (blocks <= self.pool.max_blocks)
         picked, go = _select(ok, [slots, cap, hist, have, blocks])
         if picked is None:
             return False if go is None else np.zeros(len(slots), dtype=bool)
         s, c, h, have, blocks = picked
         k = self.pool.scratch_width
+        reserved = self.pool.seg[s, 1].copy() if type(s) is _ARRAY else int(self.pool.seg[s, 1])
         self._launch(naming, s, SEQ_RESIZE, (c, h), segment=blocks, priorities=blocks,
                      span=_max(have, blocks),  # the old blocks (stale ones, a shrink) and the new
                      allocated=_max(0, blocks - have) + k + 1)
         done = self.pool.host_scalars[s, Q_RESULT] != 0
+        if not _all(done):  # a refused resize keeps no segment it reserved
+            self.pool.trim(s[~done] if type(s) is _ARRAY else s, reserved[~done] if type(s) is _ARRAY else reserved)
         if go is None:
             return done
         out = np.zeros(len(slots), dtype=bool)

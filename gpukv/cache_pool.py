@@ -47,6 +47,12 @@ from .tables import scratch_width
 _SERIALS = itertools.count(1)  # tells every cache of the process apart (identity checks of batched calls)
 NO_CALLBACK = np.iinfo(np.int64).max  # priorities_known of a cache without a priority callback
 FIRST_BLOCKS = 4  # block rows a new cache's segment starts with
+# A pool past this many block rows is packed into a smaller one once its live
+# segments fill less than 1/SHRINK_BELOW of it (after a burst of long caches):
+# the new pool has room for them to grow threefold, so usage must fall well
+# below where it was before the next shrink, and a steady state never thrashes.
+SHRINK_MIN_ROWS = 4096
+SHRINK_BELOW = 16
 # Block-indexed arrays and the value of a row no cache has written.
 _BLOCK_FILL = {"pages": NULL, "kinds": 0, "tree": NULL, "priority": DEFAULT_PRIORITY, "path": 0}
 
@@ -88,6 +94,11 @@ class CachePool:
         self.width = max(self.L, 1)
         self.scratch_width = scratch_width(config)
         self.hold_rules = hold_rules(config)
+        # The most blocks a cache may have: every GPU page of every life cycle.
+        # Full attention needs a page per block anyway; without it (windows,
+        # SSM) this bounds the segment a resize reserves, whose rows (and
+        # committed tokens) a cache would otherwise grow without limit.
+        self.max_blocks = sum(config.pages_per_life_cycle_list())
         self.kernels = build_seq_kernels(backend.target)
         self._on_gpu = backend.on_gpu
         # Whether the host keeps a copy of the scalars to refresh after a
@@ -195,6 +206,33 @@ class CachePool:
             self.callbacks[s] = None
             self.serial[s] = -1  # free from here
         del released[:k]
+        if k and self.num_rows > SHRINK_MIN_ROWS:
+            live = int(self.seg[self.serial >= 0, 1].sum())
+            if SHRINK_BELOW * live < self.num_rows:
+                self._pack(0, shrink=True)
+
+    def trim(self, slots, blocks) -> None:
+        """The segments of ``slots`` back to ``blocks[i]`` rows where longer
+        (a refused resize gives back what it reserved); the rows given up
+        are reused at the next packing."""
+        slots, blocks = np.atleast_1d(slots), np.atleast_1d(blocks)
+        long = self.seg[slots, 1] > blocks
+        if not long.any():
+            return
+        slots, blocks = slots[long], np.maximum(blocks[long], FIRST_BLOCKS)
+        self.gen += 1  # views taken before are stale from here on, whatever happens next
+        seg = self.seg.copy()
+        ends = seg[slots, 0] + seg[slots, 1]
+        seg[slots, 1] = blocks
+        top = self.top
+        if (ends == top).any():  # the last segment: its rows are the top's again
+            k = int(np.argmax(ends == top))
+            top = int(seg[slots[k], 0] + blocks[k])
+        known = self.priorities_known[slots]
+        self.priorities_known[slots] = np.where(known == NO_CALLBACK, known, np.minimum(known, blocks))
+        self.seg, self.top = seg, top  # one step: the rows and who owns them
+        self._sync_seg()
+        self.gen += 1
 
     def _grow_slots(self, n: int):
         self.gen += 1  # views taken before are stale from here on, whatever happens next
@@ -326,10 +364,11 @@ class CachePool:
         # Tokens as [rows, T] views: one index per block row, not per token.
         dst_arrays.tokens.reshape(-1, T)[d] = src_arrays.tokens.reshape(-1, T)[s]
 
-    def _pack(self, extra: int) -> None:
+    def _pack(self, extra: int, shrink: bool = False) -> None:
         """Live segments packed to the front (in slot order), with room for
         ``extra`` more rows after them: in a new pool twice what is needed
-        when the present one is too small."""
+        when the present one is too small (or, with ``shrink``, whatever its
+        size)."""
         self.gen += 1  # views taken before are stale from here on, whatever happens next
         live = np.flatnonzero(self.used & (self.seg[:, 1] > 0))
         lengths = self.seg[live, 1]
@@ -339,7 +378,7 @@ class CachePool:
         # (their next moves), so packs, which copy every live row, come once
         # per doubling of the caches and not every few moves.
         target = 3 * kept + extra
-        if rows < target:
+        if rows < target or shrink:
             rows = max(64, 2 * target)
         xp = self.backend.xp
         L, W, T = self.L, self.width, self.T

@@ -5,15 +5,24 @@ takes half as much room again as asked, so a cache sized to its prompt
 decodes for a while without moving; the segment at the top of the pool grows
 where it is; any other moves to the top, its rows copied along. Whatever
 moves, what the cache holds and has committed stays exactly as it was.
+A resize is bounded by the pools' pages, a refused one keeps no room it
+reserved, and the pool shrinks again once a burst of long caches is gone.
 """
 
 from __future__ import annotations
+
+import gc
 
 import numpy as np
 import pytest
 
 import gpukv
-from gpukv import introspect
+from gpukv import Attention, Ssm, introspect
+
+try:  # tests/ is on sys.path under pytest's default import mode
+    from conftest import make_manager
+except ImportError:  # pragma: no cover
+    from tests.conftest import make_manager
 
 T = 4
 
@@ -131,3 +140,75 @@ def test_the_cpu_kernels_are_called_past_the_dispatcher_while_their_tables_stay(
     kv.close()
     assert mgr.probe_reuse(want) >= len(want) // T * T
     introspect.check_sanity(mgr)
+
+
+# -- what a resize may reserve, and what a burst leaves ---------------------------------------------
+@pytest.mark.parametrize("layers", [[Ssm()], [Attention(window=8)], [Attention(window=8), Ssm()]],
+                         ids=["ssm", "window", "window+ssm"])
+def test_a_resize_past_every_page_of_the_pools_is_refused_without_full_attention(layers):
+    """Without full attention no pool bounds a cache's blocks by itself; a
+    resize to more blocks than all the GPU pools have pages is refused (False,
+    nothing changed, nothing reserved) instead of growing the cache pool to
+    its size or raising MemoryError."""
+    mgr = make_manager("cpu", tokens_per_block=T, layers=layers, pages_per_life_cycle=64,
+                       commit_min_snapshot=True)
+    kv = mgr.create_kv_cache()
+    assert kv.resume()
+    pool = mgr._pool
+    rows = pool.num_rows
+    most = pool.max_blocks * T
+    assert pool.max_blocks == 64 * len(layers)
+    assert kv.resize(most, most)  # up to every page: allowed (the window holds its last blocks only)
+    rows_at_most = pool.num_rows
+    for capacity in (most + 1, 10**8, 10**15):
+        assert kv.resize(capacity, capacity) is False
+        assert mgr.resize_batch([kv], [capacity], [capacity]).tolist() == [False]
+        assert (kv.capacity, kv.history_length) == (most, most) and pool.num_rows == rows_at_most
+    assert rows_at_most < 8 * (rows + pool.max_blocks)
+    kv.close()
+
+
+def test_a_refused_resize_gives_back_the_segment_it_reserved():
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=16)
+    hog = mgr.create_kv_cache()
+    assert hog.resume() and hog.resize(12 * T)
+    caches = mgr.create_kv_caches([[]] * 8)
+    assert mgr.resume_batch(caches).all()
+    pool = mgr._pool
+    before = pool.seg[[kv._slot for kv in caches], 1].copy()
+    # Each asks for more pages than are left (but fewer than the pool): refused by the kernel.
+    assert not mgr.resize_batch(caches, [10 * T] * 8).any()
+    assert not caches[0].resize(10 * T)
+    assert pool.seg[[kv._slot for kv in caches], 1].tolist() == before.tolist()
+    assert all(kv.capacity == 0 for kv in caches)
+    assert mgr.resize_batch(caches[:1], [4 * T]).all()  # still sized as asked when it fits
+    mgr.close_batch(caches + [hog])
+    introspect.check_sanity(mgr)
+
+
+def test_the_pool_gives_rows_back_after_a_burst():
+    """A burst of long caches grows the pool; once they are gone it packs into
+    a small one again, and a steady state afterwards does not repack."""
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=4096)
+    pool = mgr._pool
+    idle = pool.num_rows
+    burst = mgr.create_kv_caches([[]] * 64)
+    assert mgr.resume_batch(burst).all()
+    assert mgr.resize_batch(burst, [60 * T] * 64).all()
+    grown = pool.num_rows
+    assert grown > 4096
+    mgr.close_batch(burst)
+    del burst
+    gc.collect()
+    steady = mgr.create_kv_caches([[1, 2, 3]] * 2)  # the next allocation takes the slots back
+    assert pool.num_rows <= max(idle, 1024), (idle, grown, pool.num_rows)
+    sizes = set()
+    for _ in range(40):  # a steady state: caches come and go, the pool's size stays
+        kv = mgr.create_kv_cache(input_tokens=[1, 2, 3])
+        assert kv.resume() and kv.resize(8 * T)
+        kv.close()
+        del kv
+        gc.collect()
+        sizes.add(pool.num_rows)
+    assert len(sizes) == 1 and max(sizes) <= 1024, sizes
+    mgr.close_batch(steady)
