@@ -238,6 +238,8 @@ def d10_manager(backend):
     # config is built past that check: the tree itself needs no life cycle.
     config = gpukv.CacheConfig(tokens_per_block=2, backend=backend)
     object.__setattr__(config, "layers", ())
+    for derived in ("life_cycles", "ssm_life_cycle_id"):  # computed once, from the layers it was built with
+        config.__dict__.pop(derived, None)
     mgr = gpukv.KVCacheManager(config)
     assert mgr.life_cycles == () and introspect.tables(mgr)["slots"].shape[0] == 0
     return mgr
