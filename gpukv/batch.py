@@ -61,11 +61,17 @@ from .core.layout import (
     Q_NUM_BLOCKS,
     Q_RESULT,
     Q_STATUS,
+    SEQ_CLOSE,
+    SEQ_COMMIT,
+    SEQ_RESIZE,
+    SEQ_RESUME,
+    SEQ_SETUP_REUSE,
+    SEQ_STOP,
+    SEQ_SUSPEND,
     SUSPENDED,
     USER_STOP,
 )
 from .core.scope import ReuseScope, as_scope
-from .kernels.seq import SEQ_CLOSE, SEQ_COMMIT, SEQ_RESIZE, SEQ_RESUME, SEQ_SETUP_REUSE, SEQ_STOP, SEQ_SUSPEND
 from .kernels.sha256 import digest_to_int64x4
 from .launcher import BusyError, LogicError
 from .tables import LOG_MIN_ROWS, log_rows_for, log_rows_per_block, log_tokens_rows_for

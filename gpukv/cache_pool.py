@@ -36,12 +36,11 @@ import numpy as np
 from .core.config import DEFAULT_PRIORITY
 from .core.kinds import has_window, is_checkpoint
 from .core.layout import (
+    BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, FIRST_COMMIT_OP,
     CLOSED, NULL, Q_COMMITTED, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_STATUS, Q_WIDTH, SEQ_ARGS_WIDTH,
     TREE_OUT,
 )
-from .kernels.seq import (
-    BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, FIRST_COMMIT_OP, SeqPool, SeqTables, build_seq_kernels,
-)
+from .kernels.seq import SeqPool, SeqTables, build_seq_kernels
 from .tables import scratch_width
 
 _SERIALS = itertools.count(1)  # tells every cache of the process apart (identity checks of batched calls)

@@ -42,7 +42,7 @@ def run_job(config, job: str) -> None:
     import numpy as np
 
     from .kernels.match import PARALLEL_MIN_REQUESTS
-    from .kernels.seq import BATCH_WIDTH
+    from .core.layout import BATCH_WIDTH
     from .manager import KVCacheManager
 
     if job not in JOBS:

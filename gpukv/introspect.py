@@ -19,10 +19,12 @@ import numpy as np
 
 from .core.config import PRIORITY_MIN
 from .kernels.keys import sibling_hash_np
-from .kernels.lru import NUM_HELD, NUM_PRIORITIES
 from .kernels.sha256 import int64x4_to_digest
-from .kernels.tree import NUM_LEVELS, OP_INSERT
+from .kernels.tree import OP_INSERT
 from .core.layout import (
+    NUM_HELD,
+    NUM_LEVELS,
+    NUM_PRIORITIES,
     BLK_DIGEST,
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
@@ -599,7 +601,7 @@ def committed_page_is_linked(kv, ordinal: int, life_cycle_id: int):
 def committed_blocks(kv) -> list:
     """Per block ordinal of the cache, the tree block it is committed as (a
     ``BlockRef`` to the block now in that row), or None while uncommitted."""
-    from .kernels.seq import Q_NUM_BLOCKS
+    from .core.layout import Q_NUM_BLOCKS
 
     n = int(kv._scalars[Q_NUM_BLOCKS])
     rows = kv._backend.to_host(kv._q.tree[:n])

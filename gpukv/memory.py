@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .core.config import CacheConfig
-from .core.layout import BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, PAGES, POLICY, ROW_DTYPE, SLOTS
-from .kernels.lru import NUM_HELD, NUM_PRIORITIES
-from .kernels.sha256 import SHA256_WORK_WORDS
-from .kernels.tree import NUM_LEVELS
+from .core.layout import (
+    BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGES, POLICY, ROW_DTYPE,
+    SHA256_WORK_WORDS, SLOTS,
+)
 from .tables import DeviceTables, preallocated_sizes, pow2_at_least
 
 INT64 = np.dtype(np.int64).itemsize

@@ -22,8 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cache_pool import ranges
-from .core.layout import NULL, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_PAGE, slot_row
-from .kernels.tree import NUM_LEVELS
+from .core.layout import NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_PAGE, slot_row
 
 
 def pool_indices(tables, page_rows: np.ndarray) -> np.ndarray:

@@ -26,11 +26,12 @@ from .core.backend import Backend
 from .core.config import PRIORITY_MIN, CacheConfig
 from .core.errors import IndexFullError
 from .core.kinds import has_window
-from .kernels.sha256 import SHA256_WORK_WORDS
 from .kernels.keys import sibling_hash_np
-from .kernels.lru import NUM_HELD, NUM_PRIORITIES
-from .kernels.tree import NUM_LEVELS
 from .core.layout import (
+    NUM_HELD,
+    NUM_LEVELS,
+    NUM_PRIORITIES,
+    SHA256_WORK_WORDS,
     BLK_DIGEST,
     BLK_FIRST_NEXT,
     BLK_FLAGS,

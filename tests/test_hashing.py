@@ -20,8 +20,8 @@ from gpukv.core.hashing import (
     root_key,
     sequence_to_blockchain_keys,
 )
+from gpukv.core.layout import SHA256_WORK_WORDS
 from gpukv.kernels.sha256 import (
-    SHA256_WORK_WORDS,
     build_sha256_kernel,
     digest_to_int64x4,
     int64x4_to_digest,

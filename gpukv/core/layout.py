@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .config import PRIORITY_MAX, PRIORITY_MIN
+
 NULL = -1  # "no row": an empty slot, a missing parent, the end of a list
 # Block rows, page rows and pool indices are below 2**31: tables that hold
 # nothing else (bucket heads, free lists, copies, slots) are this narrow.
@@ -339,6 +341,36 @@ def slot_row(block, life_cycle, num_life_cycles):
     """The ``slots`` row of (block, life cycle); blocks may be an array (host)
     or a row number (kernels, where it is compiled as a helper)."""
     return block * num_life_cycles + life_cycle
+
+
+# Table dimensions.
+NUM_LEVELS = 2  # cache levels: 0 = GPU, 1 = host
+NUM_HELD = 2  # eviction lists per pool: 0, pages nobody holds; 1, held ones (candidates only while the host tier has room)
+NUM_PRIORITIES = PRIORITY_MAX - PRIORITY_MIN + 1  # one eviction list per priority
+SHA256_WORK_WORDS = 24  # SHA-256 scratch per digest: 8 state words + 16 message/schedule words
+
+# The sequence kernels' operations (kernels/seq.py). The sizing kernel runs
+# the first four (what pages a cache holds), the commit kernel the other
+# three (what the tree gets); a launch runs one of them, and no call needs
+# both. Two kernels, not one, because a cold compile of each is about half
+# as long, and both compile at once.
+SEQ_SETUP_REUSE = 1  # SETUP_ARGS: matched tokens N, blocks in Q.path[:count]
+SEQ_RESUME = 2
+SEQ_SUSPEND = 3
+SEQ_RESIZE = 4  # RESIZE_ARGS
+SEQ_COMMIT = 5  # COMMIT_ARGS
+SEQ_STOP = 6
+SEQ_CLOSE = 7  # CLOSE_ARGS
+FIRST_COMMIT_OP = SEQ_COMMIT  # ops from here on are the commit kernel's
+
+# The work list of one sequence launch (``work``: int64 [n + 1, BATCH_WIDTH]):
+# row i names item i's slot and op, and where its input starts in the flat
+# token and path arrays; row n only ends the last item's input.
+BATCH_SLOT = 0
+BATCH_OP = 1
+BATCH_TOKENS = 2
+BATCH_PATH = 3
+BATCH_WIDTH = 4
 
 
 # Column constants, one per field: plain assignments so grep and IDEs find

@@ -23,6 +23,8 @@ from ..core.layout import (
     LRU_HEAD,
     LRU_TAIL,
     NULL,
+    NUM_HELD,
+    NUM_PRIORITIES,
     PAGE_LRU_LIST,
     PAGE_LRU_NEXT,
     PAGE_LRU_PREV,
@@ -30,8 +32,6 @@ from ..core.layout import (
 )
 from .link import helper
 
-NUM_PRIORITIES = PRIORITY_MAX - PRIORITY_MIN + 1
-NUM_HELD = 2  # 0: nobody holds the page, 1: held (a candidate only while the host tier has room)
 
 
 @helper

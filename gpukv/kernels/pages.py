@@ -14,6 +14,7 @@ from ..core.layout import (
     CNT_ERROR,
     CNT_NUM_COPIES,
     CNT_SERIAL,
+    NUM_LEVELS,
     COPY_DST_INDEX,
     COPY_DST_LEVEL,
     COPY_LIFE_CYCLE,
@@ -42,8 +43,6 @@ from ..core.layout import (
 from .link import helper
 from .lru import lru_unlink
 
-
-NUM_LEVELS = 2  # cache levels: 0 = GPU, 1 = host
 
 helper(slot_row)  # core/layout.py's row arithmetic, compiled for kernels too
 

@@ -21,40 +21,27 @@ import functools
 from collections import namedtuple
 
 from ..core.backend import cpu_kernel, launch_stream
-from ..core.layout import (  # noqa: F401 (the scalars and reference kinds are re-exported for the host)
-    ACTIVE,
-    ALLOWED,
+from ..core.layout import (
+    BATCH_OP,
+    BATCH_PATH,
+    BATCH_SLOT,
+    BATCH_TOKENS,
     CLOSE_EVICT_FIRST,
-    CLOSED,
     COMMIT_COUNT,
     COMMIT_FIRST,
     COMMIT_IS_END,
-    HOLD,
-    LOCK,
-    Q_CAPACITY,
-    Q_COMMIT_STATE,
-    Q_COMMITTED,
-    Q_COMMITTED_BLOCKS,
-    Q_EVICT_FIRST,
-    Q_HISTORY,
-    Q_NEVER_RESUMED,
-    Q_NUM_BLOCKS,
     Q_RESULT,
-    Q_SCOPE_ID,
-    Q_SCOPE_KEY,
-    Q_SSM_KIND,
-    Q_SSM_PAGE,
-    Q_STATUS,
-    Q_VIRTUAL_STOPPED,
-    Q_WIDTH,
     RESIZE_CAPACITY,
     RESIZE_HISTORY,
-    SCRATCH,
+    SEQ_CLOSE,
+    SEQ_COMMIT,
+    SEQ_RESIZE,
+    SEQ_RESUME,
+    SEQ_SETUP_REUSE,
+    SEQ_STOP,
+    SEQ_SUSPEND,
     SETUP_NUM_BLOCKS,
     SETUP_NUM_TOKENS,
-    SUSPENDED,
-    USER_STOP,
-    VIRTUAL_STOP,
 )
 from .evict import begin_launch
 from .link import helper, link
@@ -62,19 +49,6 @@ from .seq_close import close
 from .seq_commit import commit, stop_committing
 from .seq_resize import resize
 from .seq_resume import resume, setup_reuse, suspend
-
-# Operations. The sizing kernel runs the first four (what pages a cache
-# holds), the commit kernel the other three (what the tree gets); a launch
-# runs one of them, and no call needs both. Two kernels, not one, because a
-# cold compile of each is about half as long, and both compile at once.
-SEQ_SETUP_REUSE = 1  # SETUP_ARGS: matched tokens N, blocks in Q.path[:count]
-SEQ_RESUME = 2
-SEQ_SUSPEND = 3
-SEQ_RESIZE = 4  # RESIZE_ARGS
-SEQ_COMMIT = 5  # COMMIT_ARGS
-SEQ_STOP = 6
-SEQ_CLOSE = 7  # CLOSE_ARGS
-FIRST_COMMIT_OP = SEQ_COMMIT  # ops from here on are the commit kernel's
 
 SeqTables = namedtuple(
     "SeqTables",
@@ -143,16 +117,6 @@ SeqPool = namedtuple(
         "seg",  # int64 [slots, 2]: base row and block rows of the slot's segment
     ],
 )
-
-
-# The work list of one launch (``work``: int64 [n + 1, BATCH_WIDTH]): row i
-# names item i's slot and op, and where its input starts in the flat token
-# and path arrays; row n only ends the last item's input.
-BATCH_SLOT = 0
-BATCH_OP = 1
-BATCH_TOKENS = 2
-BATCH_PATH = 3
-BATCH_WIDTH = 4
 
 
 @helper

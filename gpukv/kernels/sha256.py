@@ -29,16 +29,15 @@ import functools
 import numpy as np
 
 from ..core.backend import bind_globals, launch_stream
+from ..core.layout import SHA256_WORK_WORDS
 from .link import helper, link
 
 __all__ = [
-    "SHA256_WORK_WORDS",
     "build_sha256_kernel",
     "digest_to_int64x4",
     "int64x4_to_digest",
 ]
 
-SHA256_WORK_WORDS = 24  # 8 state words + 16 message/schedule words
 _STATE = 0
 _MSG = 8
 

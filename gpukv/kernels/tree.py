@@ -16,6 +16,7 @@ import functools
 from ..core.backend import cpu_kernel, launch_stream
 from ..core.config import DEFAULT_PRIORITY
 from ..core.layout import (
+    NUM_LEVELS,
     ADD_NUM_TOKENS,
     ADD_PAGE_BLOCK,
     ADD_PAGE_COVERAGE,
@@ -71,9 +72,9 @@ from .evict import begin_launch, install_page, lru_update, make_room, schedule
 from .index import is_root
 from .link import helper, link
 from .log import announce
-from .pages import NUM_LEVELS, alloc_page, can_replace_page, page_of, replace_page, unlink_page
+from .pages import alloc_page, can_replace_page, page_of, replace_page, unlink_page
 
-__all__ = ["NUM_LEVELS", "build_tree_kernel"]  # with the OP_* codes
+__all__ = ["build_tree_kernel"]  # with the OP_* codes
 
 OP_ADD = 1  # ADD_ARGS -> out: block, is_new, root
 OP_ADD_PAGE = 2  # ADD_PAGE_ARGS -> out[OUT_BLOCK] = the page (NULL if not wider)
