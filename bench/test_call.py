@@ -18,7 +18,7 @@ eviction), taking the caches in turn:
 * ``dict update``: ``d[key] = value``, the scale of a plain Python call.
 
 What a round leaves for the next (a cache grown past its room, filled up) is
-undone in the untimed setup. ``bench/report.py`` prints µs per call.
+undone in the untimed setup. ``bench/tools/report.py`` prints µs per call.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ round starts from a fresh manager (untimed), so rounds do the same work.
 ``baseline`` (one per phase; it has no model) is the plain-Python reference of the same step: what an engine
 keeping its prefix index in Python does on commit, hashing every newly
 completed full block with its parent into a dict (partial blocks are never
-indexed; no pages, no coverage). ``bench/report.py`` prints the tokens/s.
+indexed; no pages, no coverage). ``bench/tools/report.py`` prints the tokens/s.
 """
 
 from __future__ import annotations

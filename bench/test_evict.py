@@ -20,7 +20,7 @@ round starts from such a full pool (rebuilt untimed).
   enough free pages; tokens/s = prompt tokens / round time. Their ratio is the
   price of eviction on the allocation path.
 
-``bench/report.py`` prints pages/s and tokens/s.
+``bench/tools/report.py`` prints pages/s and tokens/s.
 """
 
 from __future__ import annotations

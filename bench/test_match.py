@@ -14,7 +14,7 @@ requests right after the inserted ones) as:
 
 Every gpukv case asserts its answers equal the baseline's on full blocks and
 the independently computed partial-reuse answer exactly. Nothing asserts a
-timing: ``bench/report.py`` derives tokens/s and the goal ratios.
+timing: ``bench/tools/report.py`` derives tokens/s and the goal ratios.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 Both time gpukv on registered sequences (``registered``) and the plain-Python
 hash-chain walk (``baseline``, see ``matchbench.HashChainIndex``) on the same
 queries, and check gpukv's answers against the baseline on full blocks.
-``bench/report.py`` prints query tokens/s per size.
+``bench/tools/report.py`` prints query tokens/s per size.
 """
 
 from __future__ import annotations

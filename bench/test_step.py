@@ -30,7 +30,7 @@ vLLM and SGLang are optional: each one's tests are skipped, with the reason,
 when it does not import (see README.md for their install). gpukv runs
 through the per-cache calls, or the batched calls of the running batch when
 ``KVCacheManager`` has them (``GPUKV_BENCH_STEP_CALLS``: ``auto``,
-``per-cache``, ``batched``). ``bench/report.py`` prints the table, with the
+``per-cache``, ``batched``). ``bench/tools/report.py`` prints the table, with the
 ratios between systems measured in the same run.
 """
 

@@ -1,6 +1,6 @@
 """The cost of KV cache events in a batched engine step.
 
-    NUMBA_NUM_THREADS=1 python bench/eventbench.py [--requests 400] [--batch 64] [--profile]
+    NUMBA_NUM_THREADS=1 python bench/tools/eventbench.py [--requests 400] [--batch 64] [--profile]
 
 Drives one manager through the batched calls (``create_kv_caches``,
 ``resume_batch``, ``resize_batch``, ``commit_batch``, ``close_batch``) with

@@ -8,7 +8,7 @@ overlap scores and compares them with what each worker would really reuse
 (``probe_reuse``: the window and the SSM checkpoint pruned in). Prints one
 JSON summary.
 
-    python -m bench.router_overprediction [--conversations N] [--workers N] [--window W]
+    python -m bench.tools.router_overprediction [--conversations N] [--workers N] [--window W]
 
 Needs ``pip install 'gpukv[events]' ai-dynamo-runtime==1.6.1``.
 """

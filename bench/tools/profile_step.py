@@ -1,6 +1,6 @@
 """Where gpukv's decode step goes, at one batch size, roomy and evicting.
 
-    OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python bench/profile_step.py [--batch 256] [--steps 16] [--pool both]
+    OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python bench/tools/profile_step.py [--batch 256] [--steps 16] [--pool both]
 
 The running batch and the pools are those of ``test_step.py``
 (``stepbench.start_running``). Passes of ``--steps`` decode steps each,
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout (bench is a package there)
 
 from bench import stepbench as sb  # noqa: E402
 

@@ -13,7 +13,7 @@
 # and BENCH_TIMEOUT seconds (default 240 each; the first run compiles every
 # kernel for the GPU).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpukv-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -30,4 +30,4 @@ echo "tests exit status: ${PIPESTATUS[0]}" | tee -a "$OUT/tests_cuda.log"
 GPUKV_BENCH_BACKEND=cuda timeout "${BENCH_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider bench/test_match.py \
     --benchmark-only --benchmark-json="$OUT/match_cuda.json" 2>&1 | tee "$OUT/bench_cuda.log"
 echo "bench exit status: ${PIPESTATUS[0]}" | tee -a "$OUT/bench_cuda.log"
-[ -s "$OUT/match_cuda.json" ] && $PY bench/report.py "$OUT/match_cuda.json" | tee "$OUT/match_cuda.md"
+[ -s "$OUT/match_cuda.json" ] && $PY bench/tools/report.py "$OUT/match_cuda.json" | tee "$OUT/match_cuda.md"

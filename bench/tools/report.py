@@ -1,6 +1,6 @@
 """Summarize a pytest-benchmark JSON of the ``bench/`` suites.
 
-    python bench/report.py /tmp/bench.json [--stat median|mean|min]
+    python bench/tools/report.py /tmp/bench.json [--stat median|mean|min]
 
 Prints (as Markdown), for whichever suites the run contains:
 

@@ -1,7 +1,7 @@
 """Which kernels dominate a cold start: each compile job of
 ``gpukv.kernel_cache`` alone, in a fresh process with an empty kernel cache.
 
-    python bench/cold_compile.py [JOB ...]        # default: every job
+    python bench/tools/cold_compile.py [JOB ...]        # default: every job
 
 Prints, per job, the wall time and the CPU time of its process. On a shared
 machine only the CPU times (and their ratios) mean much: the wall time grows
