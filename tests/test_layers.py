@@ -141,7 +141,8 @@ def test_the_facade_imports_in_its_documented_order():
     listed = {("gpukv." + m) if m else "gpukv" for m in FACADE_ORDER}
     assert facade == listed, f"not in FACADE_ORDER: {sorted(facade - listed)}; gone: {sorted(listed - facade)}"
     assert facade_order_violations(graph, FACADE_ORDER) == []
-    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    architecture = PACKAGE.parent / "docs/architecture.md"
+    doc = architecture.read_text()
     doc = doc[doc.index("3. The host facade"):doc.index("4. `gpukv/sim/`")]
     at = [doc.index(f"`{m}.py`") for m in FACADE_ORDER if m]
     assert at == sorted(at), "docs/architecture.md lists the facade in another order"
