@@ -9,18 +9,21 @@ or next to the checkout).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from gpukv.sim.workload import find_mooncake_trace
 
-from .matchbench import BATCHES, MatchWorkload, build_workload
+from . import knobs
+from .matchbench import MatchWorkload, build_workload
 
 
-def _env_int(name, default):
-    v = os.environ.get(name)
-    return default if v is None else int(v)
+def pytest_addoption(parser):
+    knobs.add_options(parser)
+
+
+def pytest_configure(config):
+    knobs.configure(config)
 
 
 TRACE_SKIP = "the Mooncake trace is not in shared/data (set GPUKV_TRACE)"  # the start of every such skip reason
@@ -45,8 +48,8 @@ def workload() -> MatchWorkload:
     path = find_mooncake_trace()
     if path is None:
         pytest.skip(TRACE_SKIP)
-    n_ins = _env_int("GPUKV_BENCH_INSERT", 4000)
-    n_q = _env_int("GPUKV_BENCH_QUERIES", max(BATCHES))
+    n_ins = knobs.integer("insert")
+    n_q = knobs.integer("queries")
     w = build_workload(path, n_ins, n_q)
     print(f"\nbench workload: {n_ins} requests inserted ({w.inserted_tokens} tokens, "
           f"{len(w.baseline.blocks)} distinct full blocks), {n_q} queries; build times (s) "

@@ -14,7 +14,6 @@ every timed call ends with a device synchronize).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -24,10 +23,11 @@ import gpukv
 from gpukv import introspect
 from gpukv.core.layout import BLK_FLAGS, FLAG_IN_USE, FLAG_ROOT
 from gpukv.sim.workload import as_flat, load_mooncake_trace
+from . import knobs
 
 T = 32  # tokens per block, for gpukv and the baseline alike
 BATCHES = (1, 64, 1024)
-BACKEND = os.environ.get("GPUKV_BENCH_BACKEND", "cpu")
+BACKEND = knobs.get("backend")
 
 
 # -- the Python baseline ---------------------------------------------------------------------

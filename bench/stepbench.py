@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
-import os
 import sys
 import types
 from array import array
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from . import knobs
 
 T = 32  # tokens per block / page (SGLang page_size)
 CHUNK = 512  # prefill chunk, tokens
@@ -273,7 +273,7 @@ def gpukv_calls() -> str:
     default: batched when ``KVCacheManager`` has every batched call)."""
     import gpukv
 
-    want = os.environ.get("GPUKV_BENCH_STEP_CALLS", "auto")
+    want = knobs.get("step-calls")
     has = all(hasattr(gpukv.KVCacheManager, m) for m in GpukvBatched.REQUIRED)
     if want == "auto":
         return "batched" if has else "per-cache"

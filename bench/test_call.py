@@ -24,16 +24,16 @@ undone in the untimed setup. ``bench/tools/report.py`` prints µs per call.
 from __future__ import annotations
 
 import itertools
-import os
 
 import numpy as np
 import pytest
 
 import gpukv
+from . import knobs
 
 T = 32
 PROMPT = 300
-CACHES = int(os.environ.get("GPUKV_BENCH_CALL_CACHES", "256"))
+CACHES = knobs.integer("call-caches")
 ROUNDS = 2000
 GROUP = pytest.mark.benchmark(group="per-cache call")
 

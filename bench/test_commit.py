@@ -25,13 +25,13 @@ indexed; no pages, no coverage). ``bench/tools/report.py`` prints the tokens/s.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
 import gpukv
 from gpukv.sim.workload import find_mooncake_trace, load_mooncake_trace
+from . import knobs
 
 T = 32
 CHUNK = 512
@@ -72,7 +72,7 @@ def prompts():
     path = find_mooncake_trace()
     if path is None:
         pytest.skip("the Mooncake trace is not in shared/data (set GPUKV_TRACE)")
-    n = int(os.environ.get("GPUKV_BENCH_COMMIT_REQUESTS", "64"))
+    n = knobs.integer("commit-requests")
     return [r.tokens() for r in load_mooncake_trace(path, limit=n)]
 
 

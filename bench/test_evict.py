@@ -25,7 +25,6 @@ round starts from such a full pool (rebuilt untimed).
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import pytest
@@ -33,9 +32,10 @@ import pytest
 import gpukv
 from gpukv import introspect
 from gpukv.sim.workload import find_mooncake_trace, load_mooncake_trace
+from . import knobs
 
 T = 32
-POOL = int(os.environ.get("GPUKV_BENCH_EVICT_POOL", "16384"))
+POOL = knobs.integer("evict-pool")
 ALLOC_REQUESTS = 32
 
 

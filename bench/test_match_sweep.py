@@ -18,7 +18,6 @@ queries, and check gpukv's answers against the baseline on full blocks.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -28,14 +27,14 @@ from gpukv import introspect
 from gpukv.sim.workload import find_mooncake_trace, load_mooncake_trace
 
 from .matchbench import BACKEND, HashChainIndex, T, finished_match
+from . import knobs
 
 SWEEP_BATCHES = (1, 4, 16, 64, 256, 1024)
 TREE_SWEEP_BATCH = 256
 
 
 def _tree_sizes() -> tuple:
-    v = os.environ.get("GPUKV_BENCH_TREE_SIZES", "500,2000,6000")
-    return tuple(sorted(int(x) for x in v.split(",")))
+    return tuple(sorted(knobs.integers("tree-sizes")))
 
 
 # -- batch size ----------------------------------------------------------------------------------------

@@ -40,13 +40,14 @@ import os
 
 import pytest
 
+from . import knobs
 from . import stepbench as sb
 
 T = sb.T
-BATCHES = tuple(int(b) for b in os.environ.get("GPUKV_BENCH_STEP_BATCHES", "64,256").split(","))
-DECODE_STEPS = int(os.environ.get("GPUKV_BENCH_STEP_DECODE", "8"))
-ROUNDS = int(os.environ.get("GPUKV_BENCH_STEP_ROUNDS", "3"))
-LOADED = int(os.environ.get("GPUKV_BENCH_STEP_REQUESTS", "900"))  # trace requests read (running + fillers)
+BATCHES = knobs.integers("step-batches")
+DECODE_STEPS = knobs.integer("step-decode")
+ROUNDS = knobs.integer("step-rounds")
+LOADED = knobs.integer("step-requests")  # trace requests read (running + fillers)
 
 _unavailable: dict = {}
 _warm: set = set()

@@ -42,12 +42,13 @@ except importlib.metadata.PackageNotFoundError:  # pragma: no cover - depends on
     pytest.skip("vllm is not installed (bash tests/vllm/install.sh)", allow_module_level=True)
 
 from gpukv.vllm.harness import MANAGERS, make_request, make_scheduler, next_token  # noqa: E402
+from . import knobs  # noqa: E402
 
 T = 16
-BATCH = int(os.environ.get("GPUKV_BENCH_VLLM_BATCH", "256"))
-STEPS = int(os.environ.get("GPUKV_BENCH_VLLM_STEPS", "32"))
-CHURN = int(os.environ.get("GPUKV_BENCH_VLLM_CHURN", "4"))
-ROUNDS = int(os.environ.get("GPUKV_BENCH_VLLM_ROUNDS", "5"))
+BATCH = knobs.integer("vllm-batch")
+STEPS = knobs.integer("vllm-steps")
+CHURN = knobs.integer("vllm-churn")
+ROUNDS = knobs.integer("vllm-rounds")
 NUM_BLOCKS = 40_000
 
 
