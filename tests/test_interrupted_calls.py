@@ -33,11 +33,11 @@ import gpukv
 from gpukv import Attention, Ssm, introspect
 
 try:  # tests/ is on sys.path under pytest's default import mode
-    from conftest import make_manager
+    from conftest import GPU_BACKEND, make_manager
     from engine import Engine
     from test_fault_injection import interrupt_at_line
 except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests.conftest import make_manager
+    from tests.conftest import GPU_BACKEND, make_manager
     from tests.engine import Engine
     from tests.test_fault_injection import interrupt_at_line
 
@@ -94,10 +94,10 @@ class Request:
 class InterruptedEngine:
     """The workload of the module docstring."""
 
-    def __init__(self, seed: int, stride: int):
+    def __init__(self, seed: int, stride: int, backend: str = "cpu"):
         self.rng = rng = random.Random(seed)
         self.mgr = make_manager(
-            "cpu", tokens_per_block=T, layers=[Attention(), Attention(window=8), Ssm()], pages_per_life_cycle=40,
+            backend, tokens_per_block=T, layers=[Attention(), Attention(window=8), Ssm()], pages_per_life_cycle=40,
             host_pages_per_life_cycle=12, page_bytes=0, enable_partial_reuse=True, commit_min_snapshot=True,
         )
         self.engine = Engine(self.mgr)
@@ -213,6 +213,14 @@ def _swept(w, sweeps: int):
 @pytest.mark.parametrize("seed", range(2))
 def test_every_call_interrupted_along_its_way_leaves_the_kv_right(seed):
     _swept(InterruptedEngine(seed, stride=29).run(sweeps=1, max_steps=600), 1)
+
+
+@pytest.mark.cudasim
+def test_every_call_interrupted_along_its_way_cudasim():
+    """The same on the CUDA kernels (simulated): the pool's device arrays,
+    the device-side counters of copies and log."""
+    w = InterruptedEngine(5, stride=61, backend=GPU_BACKEND).run(sweeps=1, max_steps=40)
+    assert sum(w.sweep.fired.values()) >= 20 and w.finished >= 2, (w.sweep.fired, w.finished)
 
 
 @pytest.mark.slow
