@@ -74,7 +74,15 @@ from .core.layout import (
 from .core.scope import ReuseScope, as_scope
 from .kernels.sha256 import digest_to_int64x4
 from .launcher import BusyError, LogicError
-from .tables import LOG_MIN_ROWS, log_rows_for, log_rows_per_block, log_tokens_rows_for
+from .tables import (
+    COPY_SLACK,
+    LOG_MIN_ROWS,
+    copy_rows_for,
+    copy_rows_per_block,
+    log_rows_for,
+    log_rows_per_block,
+    log_tokens_rows_for,
+)
 from .tokens import ValidTokens, check_flat, flatten, token_array, tokens_and_digests
 
 _slot_of = attrgetter("_slot")
@@ -592,9 +600,11 @@ class CacheCalls:
         if type(slots) is _ARRAY:
             blocks, announced = np.broadcast_to(blocks, slots.shape), np.broadcast_to(announced, slots.shape)
             log_rows, token_rows = tables.log_budget
-            if len(slots) > 1 and (_total(announced) > token_rows
-                                   or log_rows_for(_total(blocks), _total(announced), self.L) > log_rows):
-                ends = self._launches(blocks, announced, log_rows, token_rows)
+            total = _total(blocks)
+            copy_rows = tables.copy_room  # None: the list holds any launch's copies
+            if len(slots) > 1 and (_total(announced) > token_rows or log_rows_for(total, _total(announced), self.L) > log_rows
+                                   or (copy_rows is not None and copy_rows_for(total, self.L) > copy_rows)):
+                ends = self._launches(blocks, announced, log_rows, token_rows, copy_rows)
                 for i, j in zip(ends[:-1].tolist(), ends[1:].tolist()):
                     part = lambda v: v[i:j] if type(v) is _ARRAY else v  # noqa: E731 (one column of the launch's caches)
                     t_part = t_off = p_part = p_off = None
@@ -608,20 +618,25 @@ class CacheCalls:
                 return
         self._run(slots, op, args, _total(blocks), _total(announced), tokens, tokens_off, path, path_off, closing)
 
-    def _launches(self, blocks, announced, log_rows: int, token_rows: int) -> np.ndarray:
+    def _launches(self, blocks, announced, log_rows: int, token_rows: int, copy_rows) -> np.ndarray:
         """Where consecutive launches over the caches start (and the last
-        ends): as many caches each as fit ``log_rows`` change-log rows and
-        ``token_rows`` token rows, at least one (``log_rows_for`` per cache,
-        its constant once per launch)."""
+        ends): as many caches each as fit ``log_rows`` change-log rows,
+        ``token_rows`` token rows and ``copy_rows`` page copies (None: any
+        number), at least one (``log_rows_for`` and ``copy_rows_for`` per
+        cache, their constants once per launch)."""
         per_block = log_rows_per_block(self.L)
-        room = log_rows - (per_block * 2 + LOG_MIN_ROWS)
-        cost = _offsets(per_block * blocks + (self.L + 1) * announced)
-        tok = _offsets(announced)
+        per_copy = copy_rows_per_block(self.L)
+        limits = [  # (cumulative cost per cache, room per launch)
+            (_offsets(per_block * blocks + (self.L + 1) * announced), log_rows - (per_block * 2 + LOG_MIN_ROWS)),
+            (_offsets(announced), token_rows),
+        ]
+        if copy_rows is not None:
+            limits.append((_offsets(per_copy * blocks), copy_rows - (per_copy * 2 + COPY_SLACK)))
         n = len(blocks)
         ends = [0]
         while ends[-1] < n:
             i = ends[-1]
-            j = min(int(np.searchsorted(cost, cost[i] + room, "right")), int(np.searchsorted(tok, tok[i] + token_rows, "right"))) - 1
+            j = min(int(np.searchsorted(cost, cost[i] + room, "right")) for cost, room in limits) - 1
             ends.append(min(n, max(j, i + 1)))
         return np.array(ends)
 

@@ -33,7 +33,7 @@ from .core.layout import (
     BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGES, POLICY, ROW_DTYPE,
     SHA256_WORK_WORDS, SLOTS,
 )
-from .tables import DeviceTables, preallocated_sizes, pow2_at_least
+from .tables import DeviceTables, copy_budget, preallocated_sizes, pow2_at_least
 
 INT64 = np.dtype(np.int64).itemsize
 INT32 = np.dtype(np.int32).itemsize
@@ -68,7 +68,8 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
       bucket arrays of the power of two at least ``2r`` (int32);
     - per page ``P`` (GPU and host pages of every life cycle): ``pages``
       (its layout width, int64), ``page_free`` and ``row_free`` (int32) and
-      the copy list (``3P + 16`` records, int32);
+      the copy list (``3P + 16`` records, int32, or ``tables.COPY_LIST_BUDGET``
+      bytes when that is less);
     - the change log (``log``, ``log_tokens``), at the sizes
       ``tables.preallocated_sizes`` gives (with ``max_blocks``: its budget,
       ``tables.log_budget``; without, the rows it starts with);
@@ -110,7 +111,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
         "row_start": L * INT64,
         "row_top": L * INT64,
         "row_free": P * ROW,
-        "copies": record(COPIES, 3 * P + 16),
+        "copies": record(COPIES, copy_budget(P)),
         "lru_lists": record(LRU_LISTS, groups * NUM_PRIORITIES),
         "lru_groups": record(LRU_GROUPS, groups),
         "no_host_room": max(1, L) * INT64,

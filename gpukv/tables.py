@@ -42,6 +42,7 @@ from .core.layout import (
     CNT_BLOCK_FREE_TOP,
     CNT_LOG_LEN,
     CNT_LOG_TOKENS_LEN,
+    CNT_NUM_COPIES,
     CNT_RETIRED,
     COPIES,
     COPY_WIDTH,
@@ -113,6 +114,11 @@ UNKNOWN_DIGEST = -(2**31)  # stands for any digest no block holds
 # the calls of a batch run in order. A quarter goes to the announced tokens.
 CHANGE_LOG_BUDGET = 4 << 20
 LOG_BUDGET_MIN_ROWS = 4 * LOG_MIN_ROWS  # the least any budget gives: the slack and some room
+# Bytes the page-copy list of one launch is kept within, split likewise
+# (it needs at most three copies per page of the pool, its size when smaller).
+COPY_LIST_BUDGET = 1 << 20
+COPY_SLACK = 16
+COPY_BUDGET_MIN_ROWS = 256
 
 
 def log_budget(tokens_per_block: int) -> tuple[int, int]:
@@ -121,6 +127,25 @@ def log_budget(tokens_per_block: int) -> tuple[int, int]:
     tokens_rows = max(LOG_TOKENS_MIN_ROWS, CHANGE_LOG_BUDGET // 4 // row)
     log_rows = max(LOG_BUDGET_MIN_ROWS, (CHANGE_LOG_BUDGET - tokens_rows * row) // (LOG.width * LOG.dtype.itemsize))
     return int(log_rows), int(tokens_rows)
+
+
+def copy_budget(num_pages: int) -> int:
+    """Rows of the page-copy list: what ``COPY_LIST_BUDGET`` buys, or the
+    most any launch records (``3P + 16``) when that is fewer."""
+    record = COPIES.width * COPIES.dtype.itemsize
+    return int(min(3 * num_pages + COPY_SLACK, max(COPY_BUDGET_MIN_ROWS, COPY_LIST_BUDGET // record)))
+
+
+def copy_rows_for(blocks: int, num_life_cycles: int) -> int:
+    """Page data copies one launch over up to ``blocks`` blocks may record
+    (``log_rows_for``'s blocks): per life cycle and block, up to two
+    migrations of its page or of an eviction victim and one copy of data
+    into a page it allocates."""
+    return copy_rows_per_block(num_life_cycles) * (blocks + 2) + COPY_SLACK
+
+
+def copy_rows_per_block(num_life_cycles: int) -> int:
+    return 3 * max(1, num_life_cycles)
 
 
 def log_rows_for(blocks: int, announced: int, num_life_cycles: int) -> int:
@@ -222,8 +247,12 @@ class Tables:
         self.row_top = backend.to_device(per_lc.astype(np.int64).copy())
         self.row_free = backend.to_device(row_free)
         # A page moves at most twice per launch (down to the host, back up on a
-        # lock) and every allocation copies at most once.
-        self.copies = xp.zeros((3 * total + 16, COPY_WIDTH), dtype=COPIES.dtype)
+        # lock) and every allocation copies at most once: 3P + 16 copies, or
+        # the budget when that is fewer (launches are split to fit it).
+        self.copy_budget = copy_budget(total)
+        # Launches are split to fit it only when it holds fewer than any launch may record.
+        self.copy_room = self.copy_budget if self.copy_budget < 3 * total + COPY_SLACK else None
+        self.copies = xp.zeros((self.copy_budget, COPY_WIDTH), dtype=COPIES.dtype)
         groups = max(1, L) * NUM_LEVELS * NUM_HELD
         self.lru_lists = xp.full((groups * NUM_PRIORITIES, LRU_LISTS.width), NULL, dtype=np.int64)
         lru_groups = np.zeros((groups, LRU_GROUPS.width), dtype=np.int64)
@@ -462,17 +491,25 @@ class Tables:
         table = self._sized(self.log, rows, kept, self.log_budget[0], np.int64)
         if table is not self.log:
             self.log = table
+        # The copy list: counted from 0 at the kernel (a pending launch's
+        # copies are carried out first), never more than the pool's bound.
+        copies = int(counters[CNT_NUM_COPIES])
+        need = max(copies, min(copy_rows_for(blocks, self.num_life_cycles), 3 * self.num_pages + COPY_SLACK))
+        table = self._sized(self.copies, need, copies, self.copy_budget, COPIES.dtype, zero=True, fixed=True)
+        if table is not self.copies:
+            self.copies = table
 
-    def _sized(self, table, rows: int, kept: int, budget: int, dtype, zero: bool = False):
+    def _sized(self, table, rows: int, kept: int, budget: int, dtype, zero: bool = False, fixed: bool = False):
         """``table`` with room for ``rows`` rows, its first ``kept`` kept:
-        grown on demand (doubling, up to ``budget`` while that is enough),
-        and back to ``budget`` once a launch needs no more than it."""
+        grown on demand (doubling, up to ``budget`` while that is enough;
+        ``fixed``: it starts at the budget), and back to ``budget`` once a
+        launch needs no more than it."""
         have = table.shape[0]
         if have >= rows and (have <= budget or rows > budget):
             return table
         if rows > budget:
             new = rows  # one launch beyond the budget: just what it needs
-        elif self.max_blocks is not None or have > budget:
+        elif self.max_blocks is not None or fixed or have > budget:
             new = budget
         else:
             new = min(budget, max(rows, 2 * have))

@@ -28,6 +28,7 @@ try:  # tests/ is on sys.path under pytest's default import mode
     from test_differential import Pair, run_ops, scenario
     from test_events_integration import SUBSET_CONFIGS
     from test_events_integration import test_conversation_events_under_memory_pressure_are_consistent as events_under_pressure
+    from test_events_integration import test_conversation_events_with_a_host_tier_are_consistent as events_with_a_host_tier
     from test_kvcache_differential import CONFIG_IDS, CONFIGS, run_workload
 except ImportError:  # pragma: no cover - if tests/ becomes a package
     from tests.conftest import make_manager
@@ -36,6 +37,7 @@ except ImportError:  # pragma: no cover - if tests/ becomes a package
     from tests.test_events_integration import (
         SUBSET_CONFIGS,
         test_conversation_events_under_memory_pressure_are_consistent as events_under_pressure,
+        test_conversation_events_with_a_host_tier_are_consistent as events_with_a_host_tier,
     )
     from tests.test_kvcache_differential import CONFIG_IDS, CONFIGS, run_workload
 
@@ -44,7 +46,10 @@ T = 4
 
 @pytest.fixture
 def tiny_log(monkeypatch):
+    """The change log and the copy list at their least."""
     monkeypatch.setattr(tables, "CHANGE_LOG_BUDGET", 0)
+    monkeypatch.setattr(tables, "COPY_LIST_BUDGET", 0)
+    monkeypatch.setattr(tables, "COPY_BUDGET_MIN_ROWS", 32)  # below the small pools' bound too
     return tables.log_budget
 
 
@@ -58,9 +63,11 @@ def test_the_budget_is_the_same_whatever_max_blocks_is():
 
 def test_tiny_budget_sizes(tiny_log):
     assert tiny_log(T) == (tables.LOG_BUDGET_MIN_ROWS, tables.LOG_TOKENS_MIN_ROWS)
-    mgr = make_manager("cpu", tokens_per_block=T, max_blocks=64, pages_per_life_cycle=32)
+    mgr = make_manager("cpu", tokens_per_block=T, max_blocks=64, pages_per_life_cycle=320)
     assert mgr._tables.log.shape[0] == tables.LOG_BUDGET_MIN_ROWS
-    assert gpukv.index_memory(mgr.config).tables["log"] == mgr._tables.log.nbytes
+    assert mgr._tables.copies.shape[0] == tables.COPY_BUDGET_MIN_ROWS < 3 * 320
+    memory = gpukv.index_memory(mgr.config).tables
+    assert memory["log"] == mgr._tables.log.nbytes and memory["copies"] == mgr._tables.copies.nbytes
 
 
 class Counted(BatchLockstep):
@@ -183,6 +190,21 @@ def test_conversations_agree_with_the_oracle_on_a_tiny_log(tiny_log, config):
 @pytest.mark.parametrize("config", SUBSET_CONFIGS, ids=[c[0] for c in SUBSET_CONFIGS])
 def test_conversation_events_are_consistent_on_a_tiny_log(tiny_log, config):
     events_under_pressure(config)
+
+
+@pytest.mark.parametrize("config", SUBSET_CONFIGS, ids=[c[0] for c in SUBSET_CONFIGS])
+def test_migrations_to_a_host_tier_fit_a_tiny_copy_list(tiny_log, config):
+    """Evictions to the host tier and back: the page copies of a launch,
+    within a copy list of 32 rows (or a launch's own when one cache needs
+    more)."""
+    events_with_a_host_tier(config)
+
+
+def test_the_copy_list_is_budgeted_only_beyond_the_pools_bound():
+    small = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64)._tables
+    assert small.copies.shape[0] == 3 * 64 + tables.COPY_SLACK and small.copy_room is None
+    big = gpukv.index_memory(gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**17, pages_per_life_cycle=2**17))
+    assert big.tables["copies"] <= tables.COPY_LIST_BUDGET
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
