@@ -51,6 +51,9 @@ FIRST_BLOCKS = 4  # block rows a new cache's segment starts with
 # the new pool has room for them to grow threefold, so usage must fall well
 # below where it was before the next shrink, and a steady state never thrashes.
 SHRINK_MIN_ROWS = 4096
+# Blocks a cache may have whatever its pools (2**18: 4 M tokens at T = 16,
+# about 30 MB of segment rows).
+MAX_BLOCKS_FLOOR = 1 << 18
 SHRINK_BELOW = 16
 # Block-indexed arrays and the value of a row no cache has written.
 _BLOCK_FILL = {"pages": NULL, "kinds": 0, "tree": NULL, "priority": DEFAULT_PRIORITY, "path": 0}
@@ -93,11 +96,12 @@ class CachePool:
         self.width = max(self.L, 1)
         self.scratch_width = scratch_width(config)
         self.hold_rules = hold_rules(config)
-        # The most blocks a cache may have: every GPU page of every life cycle.
-        # Full attention needs a page per block anyway; without it (windows,
-        # SSM) this bounds the segment a resize reserves, whose rows (and
-        # committed tokens) a cache would otherwise grow without limit.
-        self.max_blocks = sum(config.pages_per_life_cycle_list())
+        # The most blocks a cache may have: every GPU page of every life
+        # cycle, and at least MAX_BLOCKS_FLOOR. Full attention needs a page per
+        # block anyway; without it (windows, SSM) nothing else bounds the
+        # segment a resize reserves, whose rows (and committed tokens) would
+        # grow with any capacity asked.
+        self.max_blocks = max(sum(config.pages_per_life_cycle_list()), MAX_BLOCKS_FLOOR)
         self.kernels = build_seq_kernels(backend.target)
         self._on_gpu = backend.on_gpu
         # Whether the host keeps a copy of the scalars to refresh after a

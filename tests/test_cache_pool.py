@@ -18,6 +18,7 @@ import pytest
 
 import gpukv
 from gpukv import Attention, Ssm, introspect
+from gpukv.cache_pool import MAX_BLOCKS_FLOOR
 
 try:  # tests/ is on sys.path under pytest's default import mode
     from conftest import make_manager
@@ -145,26 +146,25 @@ def test_the_cpu_kernels_are_called_past_the_dispatcher_while_their_tables_stay(
 # -- what a resize may reserve, and what a burst leaves ---------------------------------------------
 @pytest.mark.parametrize("layers", [[Ssm()], [Attention(window=8)], [Attention(window=8), Ssm()]],
                          ids=["ssm", "window", "window+ssm"])
-def test_a_resize_past_every_page_of_the_pools_is_refused_without_full_attention(layers):
+def test_a_resize_past_what_a_cache_may_have_is_refused_without_full_attention(layers):
     """Without full attention no pool bounds a cache's blocks by itself; a
-    resize to more blocks than all the GPU pools have pages is refused (False,
-    nothing changed, nothing reserved) instead of growing the cache pool to
-    its size or raising MemoryError."""
+    resize to more blocks than a cache may have (every page of the GPU pools,
+    at least ``MAX_BLOCKS_FLOOR``) is refused (False, nothing changed,
+    nothing reserved) instead of growing the cache pool to its size or
+    raising MemoryError. Below it, more blocks than pages are fine (an SSM
+    state is one page whatever the length)."""
     mgr = make_manager("cpu", tokens_per_block=T, layers=layers, pages_per_life_cycle=64,
                        commit_min_snapshot=True)
     kv = mgr.create_kv_cache()
     assert kv.resume()
     pool = mgr._pool
+    assert pool.max_blocks == MAX_BLOCKS_FLOOR
+    assert kv.resize(200 * T, 200 * T)  # more blocks than the pools have pages
     rows = pool.num_rows
-    most = pool.max_blocks * T
-    assert pool.max_blocks == 64 * len(layers)
-    assert kv.resize(most, most)  # up to every page: allowed (the window holds its last blocks only)
-    rows_at_most = pool.num_rows
-    for capacity in (most + 1, 10**8, 10**15):
+    for capacity in (pool.max_blocks * T + 1, 10**8, 10**15):
         assert kv.resize(capacity, capacity) is False
         assert mgr.resize_batch([kv], [capacity], [capacity]).tolist() == [False]
-        assert (kv.capacity, kv.history_length) == (most, most) and pool.num_rows == rows_at_most
-    assert rows_at_most < 8 * (rows + pool.max_blocks)
+        assert (kv.capacity, kv.history_length) == (200 * T, 200 * T) and pool.num_rows == rows
     kv.close()
 
 
