@@ -328,14 +328,14 @@ class CachePool:
         top, T = self.top, self.T
         base = top + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
         A = self.arrays
-        if slots.size <= 8:  # the usual case: a resize or two growing one segment each
-            for k in range(slots.size):
-                kept = int(old_len[k])
-                self._copy_span(A, A, int(old_base[k]), int(base[k]), kept)
-                self._fill_span(A, int(base[k]) + kept, int(blocks[k]) - kept)
-        else:
-            self._fill_span(A, top, need)  # the new segments are one stretch from the top
-            moved = np.flatnonzero(old_len)
+        # The new segments are one stretch from the top: filled at once, then
+        # the rows the caches had so far copied in (new caches have none).
+        self._fill_span(A, top, need)
+        moved = np.flatnonzero(old_len)
+        if moved.size <= 8:  # the usual case: a resize or two growing one segment each
+            for k in moved.tolist():
+                self._copy_span(A, A, int(old_base[k]), int(base[k]), int(old_len[k]))
+        elif moved.size:
             self._copy_rows(A, A, ranges(old_base[moved], old_len[moved]), ranges(base[moved], old_len[moved]))
         seg = self.seg.copy()
         seg[slots, 0] = base
