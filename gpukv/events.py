@@ -169,6 +169,8 @@ class KVCacheEventManager:
         # would have extended the event that the queue then drops anyway.
         self._dropped_tail: dict[int, tuple] = {}  # (EventHash, scope)
         self._queue: deque[KVCacheEvent] = deque(maxlen=max(self.max_entries, 1))
+        self._moving: list | None = None  # a batch on its way to the queue (flush_iteration_events)
+        self._handed: tuple | None = None  # (receipt, events) of the last drain (give_back)
         # Block key -> scope, for the blocks of non-default scopes in the tree
         # (a child inherits its parent's; only a root-level block names its root).
         self._scope_of: dict[bytes, ReuseScope] = {}
@@ -314,17 +316,53 @@ class KVCacheEventManager:
         No stored event coalesces across a flush."""
         if not self.enabled:
             return
+        self._finish_move()
         self._flush_all_removed()
-        self._queue.extend(self._pending)
+        # The hints into the pending list go first: dropping one early only
+        # ends a chain sooner, a stale one would index the next list.
+        self._latest_stored = {}
+        self._dropped_tail = {}
+        batch = self._pending
+        if not batch:
+            return
+        # The hand-over happens once, wherever an interrupt from a signal
+        # handler lands: the batch is named, taken off the pending list, then
+        # queued, and _finish_move completes what a cut one left undone.
+        self._moving = batch
         self._pending = []
-        self._latest_stored.clear()
-        self._dropped_tail.clear()
+        self._queue.extend(batch)
+        self._moving = None
 
-    def get_latest_events(self) -> list[KVCacheEvent]:
-        """Drain the public queue, oldest first."""
-        events = list(self._queue)
-        self._queue.clear()
-        return events
+    def _finish_move(self) -> None:
+        """Complete a hand-over to the queue that an interrupt cut short: the
+        batch is queued unless it still is the pending list (not taken yet) or
+        the queue holds its newest event already (queued)."""
+        batch = self._moving
+        if batch is None:
+            return
+        if self._pending is not batch and not (self._queue and self._queue[-1].event_id >= batch[-1].event_id):
+            self._queue.extend(batch)
+        self._moving = None
+
+    def get_latest_events(self, receipt=None) -> list[KVCacheEvent]:
+        """Drain the public queue, oldest first; ``receipt`` names the drain
+        for ``give_back``. The queue is handed over by swapping it for an
+        empty one, a single store, so a drain is either done or not."""
+        self._finish_move()
+        drained = self._queue
+        self._handed = (receipt, drained)
+        self._queue = deque(maxlen=drained.maxlen)
+        return list(drained)
+
+    def give_back(self, receipt) -> None:
+        """The events the drain named ``receipt`` took never reached the caller
+        (its call raised on the way out): back to the front of the queue, once."""
+        handed = self._handed
+        if handed is None or handed[0] is not receipt:
+            return
+        self._handed = None
+        if self._queue is not handed[1]:  # the drain had taken them
+            self._queue.extendleft(reversed(handed[1]))
 
     def mark_clear(self) -> None:
         """The whole tree is about to be cleared: remember where in the event

@@ -357,14 +357,25 @@ class KVCacheManager:
         self._eviction_seen = now
         return {"evicted": int(diff[0]), "migrated": int(diff[1]), "dropped": int(diff[2])}
 
-    @serialized("mgr.get_latest_events()")
     def get_latest_events(self) -> list:
         """KV cache events since the last call, oldest first ([] when events are
-        off: ``max_kv_event_entries`` is 0)."""
+        off: ``max_kv_event_entries`` is 0). Each event is handed over once: a
+        call that raises (an interrupt included, wherever it lands in the
+        call) hands over none, and the next call returns them."""
         if self._events is None:
             return []
+        receipt = object()  # tells this drain apart from every other
+        try:
+            return self._launcher.guard.run("mgr.get_latest_events()", self._drain_events, (receipt,), {})
+        except BaseException:
+            # The guard's own way out runs after the drain; only this frame,
+            # outside it, knows whether the events reached the caller.
+            self._events.give_back(receipt)
+            raise
+
+    def _drain_events(self, receipt) -> list:
         self._events.flush_iteration_events()
-        return self._events.get_latest_events()
+        return self._events.get_latest_events(receipt)
 
     @serialized("mgr.get_and_reset_iteration_stats()")
     def get_and_reset_iteration_stats(self) -> dict:

@@ -315,32 +315,65 @@ def test_a_publish_interrupted_at_any_line_never_leaves_a_router_wrong():
     msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'gpukv[events]')")
     from gpukv.zmq_events import ZmqEventPublisher
 
+    from gpukv.zmq_events import END_SEQ
+
     rng = random.Random(3)
     mgr = make_manager("cpu", tokens_per_block=T, layers=[Attention()], pages_per_life_cycle=24,
                        max_kv_event_entries=1 << 20, event_hash="sha256_64")
-    pub = ZmqEventPublisher(mgr, endpoint="tcp://127.0.0.1:0")
+    pub = ZmqEventPublisher(mgr, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(pub.endpoint)
     decoder = msgspec.msgpack.Decoder()
     view: set = set()  # (hash, group, medium) as the router holds them
-    seqs: list = []
+    seqs: list = []  # the batches the router applied, in order
+    gaps = []  # where it replayed
+
+    def apply(seq, batch):
+        seqs.append(seq)
+        for e in batch[1]:
+            if e["type"] == "AllBlocksCleared":
+                view.clear()
+            elif e["type"] == "BlockStored":
+                view.update((h, e["group_idx"], e["medium"]) for h in e["block_hashes"])
+            else:
+                view.difference_update((h, e["group_idx"], e["medium"]) for h in e["block_hashes"])
+
+    def replay(start):
+        """The batches from ``start`` on, as a router asks the replay socket for them."""
+        req = zmq.Context.instance().socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(pub.replay_endpoint)
+        try:
+            req.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+            while True:
+                assert req.poll(5000), "the replay answer stopped before its end marker"
+                frames = req.recv_multipart()
+                if frames[2] == END_SEQ:
+                    return
+                yield int.from_bytes(frames[2], "big"), decoder.decode(frames[3])
+        finally:
+            req.close()
+
+    def receive(wait_ms=200):
+        while sub.poll(wait_ms):
+            _, seq, payload = sub.recv_multipart()
+            seq = int.from_bytes(seq, "big")
+            want = seqs[-1] + 1 if seqs else 0
+            if seq < want:
+                continue  # applied from a replay already
+            if seq > want:
+                # A publish cut between counting a batch sent and sending it:
+                # the router sees the gap and replays it, as designed.
+                gaps.append(want)
+                for s, batch in list(replay(want)):
+                    if s < seq:
+                        apply(s, batch)
+            apply(seq, decoder.decode(payload))
+
     try:
         assert pub.wait_for_subscriber(5.0)
-
-        def receive():
-            while sub.poll(200):
-                _, seq, payload = sub.recv_multipart()
-                seqs.append(int.from_bytes(seq, "big"))
-                for e in decoder.decode(payload)[1]:
-                    if e["type"] == "AllBlocksCleared":
-                        view.clear()
-                    elif e["type"] == "BlockStored":
-                        view.update((h, e["group_idx"], e["medium"]) for h in e["block_hashes"])
-                    else:
-                        view.difference_update((h, e["group_idx"], e["medium"]) for h in e["block_hashes"])
-
         interrupted = k = 0
         while interrupted < 400:
             tokens = [rng.randrange(1, 30) for _ in range(rng.randrange(4, 17))]
@@ -360,12 +393,59 @@ def test_a_publish_interrupted_at_any_line_never_leaves_a_router_wrong():
             interrupted += bool(fired)
             if rng.random() < 0.02:
                 mgr.clear_reusable_blocks()
+            receive(0)  # keep up, as a router does
         pub.publish()  # uninterrupted: whatever a cut left goes out now
         receive()
         told = {(h, g, a.medium) for (h, g), a in pub._translator.announced.items()}
         assert view == told, f"the router holds {len(view - told)} blocks it was never told and misses {len(told - view)}"
-        assert seqs == list(range(len(seqs))), "a sequence number was skipped or repeated"
+        assert seqs == list(range(len(seqs))), "a batch was missed or applied twice"
         assert len(seqs) >= 10
     finally:
         sub.close()
         pub.close()
+
+
+def _events_workload(mgr, rounds: int):
+    """Commits and closes that store and remove blocks: events every round."""
+    for r in range(rounds):
+        kv = mgr.create_kv_cache(list(range(r, r + 3 * T)))
+        assert kv.resume() and kv.resize(6 * T)
+        kv.commit(list(range(500 + 10 * r, 500 + 10 * r + 6 * T - kv.num_committed_tokens)))
+        kv.close(evict_first=r % 2 == 1)
+        yield
+
+
+def test_events_drained_under_interrupts_arrive_once_each_in_order():
+    """``get_latest_events`` interrupted at every line of its way (the flush
+    into the queue, the drain, the return through the guard): every event
+    reaches the caller exactly once, in order, as without interrupts."""
+    def manager():
+        return make_manager("cpu", tokens_per_block=T, layers=[Attention()], pages_per_life_cycle=16,
+                            max_kv_event_entries=10_000)
+
+    twin, mgr = manager(), manager()
+    want = []
+    for _ in _events_workload(twin, 12):
+        want.extend(e.event_id for e in twin.get_latest_events())
+    got, interrupted = [], 0
+    k = 1
+    for _ in _events_workload(mgr, 12):
+        while True:  # interrupt this drain at line k, k + 1, ... until one runs through
+            trace, fired = interrupt_at_line(k)
+            sys.settrace(trace)
+            try:
+                events = mgr.get_latest_events()
+            except KeyboardInterrupt:
+                events = None
+            finally:
+                sys.settrace(None)
+            if fired:
+                interrupted += 1
+                k += 1
+                assert events is None  # an interrupted drain hands over nothing
+                continue
+            got.extend(e.event_id for e in events)
+            k = 1 + k // 2  # the next round sweeps again from before the middle
+            break
+    assert interrupted > 20
+    assert got == want and len(want) > 12
