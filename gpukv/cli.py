@@ -399,6 +399,14 @@ def cmd_compile(args) -> int:
         print(f"backend {backend.name}: its kernels are compiled in each process (nothing is kept on disk); "
               "nothing to build ahead of time")
         return 0
+    kept = kernel_cache.where_kept(backend.target)
+    if kept != CACHE_DIR:
+        # Building ahead of time is for the cache every later process reads:
+        # kernels landing elsewhere (or nowhere) would look built and not be.
+        print(f"gpukv compile: the kernel cache {CACHE_DIR} (GPUKV_CACHE_DIR) cannot be written; "
+              + (f"Numba would keep the kernels in {kept} instead" if kept else "Numba could keep them nowhere")
+              + ": set GPUKV_CACHE_DIR to a writable folder", file=sys.stderr)
+        return 2
     result = _compile_kernels(config, args)
     n = len(kernel_cache.KERNEL_NAMES)
     compiled = 0 if result is None else sum(how == "compiled" for how in result.values())

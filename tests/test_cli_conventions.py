@@ -568,6 +568,24 @@ def test_an_unwritable_cache_dir_names_the_folder_numba_falls_back_to(tmp_path):
     assert len(warnings) == 1 and f"kept in {kept} instead" in warnings[0]
 
 
+def test_compile_refuses_a_kernel_cache_it_cannot_write(tmp_path):
+    """``gpukv compile`` builds the cache later processes read: a
+    GPUKV_CACHE_DIR that cannot be made is an error (exit 2, naming it),
+    before anything compiles, not kernels kept somewhere else."""
+    import os
+    import subprocess
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a folder cannot be made under a file, even by root
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUKV_BACKEND", "NUMBA_ENABLE_CUDASIM")}
+    env["GPUKV_CACHE_DIR"] = str(blocked / "cache")
+    out = subprocess.run([sys.executable, "-m", "gpukv.cli", "compile", "--no-progress"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert f"the kernel cache {blocked / 'cache'}" in out.stderr and "(GPUKV_CACHE_DIR) cannot be written" in out.stderr
+    assert "compiling" not in out.stderr
+
+
 def test_plot_help_describes_the_figure_it_draws(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["simulate", "--help"])
