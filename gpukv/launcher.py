@@ -285,12 +285,17 @@ class Launcher:
         if n or retired:
             if self._drained is None:
                 # Read once: returning the freed rows may overwrite the
-                # retired list, so a resumed aftermath uses this copy.
-                records, tokens = t.read_log(n, int(counters[CNT_LOG_TOKENS_LEN]))
+                # retired list, so a resumed aftermath uses this copy. The
+                # records leave the device only for someone who reads them
+                # (events on, or a test's sink); the freed rows always.
+                read = self.events is not None or self.log_sink is not None
+                records, tokens = t.read_log(n, int(counters[CNT_LOG_TOKENS_LEN])) if read else (_NO_RECORDS, None)
                 freed = None
                 if retired:  # most launches free no row: nothing to merge or give back
                     rows, kinds, at, digests = t.read_retired(retired)
-                    records, freed = with_removals(records, rows, kinds, at, digests), rows[kinds != RETIRED_REMOVED]
+                    freed = rows[kinds != RETIRED_REMOVED]
+                    if read:
+                        records = with_removals(records, rows, kinds, at, digests)
                 sink_at = 0 if self.log_sink is None else len(self.log_sink)
                 self._drained = (records, tokens, freed, sink_at)
             records, tokens, freed, sink_at = self._drained
@@ -308,6 +313,9 @@ class Launcher:
         self.pending = False
         if err != ERR_NONE:
             raise TreeError(f"tree kernel stopped with error code {err}")
+
+
+_NO_RECORDS = np.zeros((0, 0), dtype=np.int64)  # a drain nobody reads
 
 
 def with_removals(records: np.ndarray, rows, kinds, at, digests) -> np.ndarray:
