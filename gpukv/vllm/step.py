@@ -95,6 +95,7 @@ class StepCalls:
         self.fresh = np.zeros(num_pages, dtype=bool) if track_fresh else None
         self._fresh_pages: list[np.ndarray] = []
         self._obtainable = None
+        self._free = None
         self.version = 0  # gpukv calls issued: a lookup matched at one version holds while it stays
 
     @property
@@ -108,16 +109,23 @@ class StepCalls:
             self._obtainable = self._gk.obtainable_pages()
         return self._obtainable
 
+    def free(self) -> int:
+        """gpukv's free pages as of the last issued call (read once per flush,
+        like ``obtainable``)."""
+        if self._free is None:
+            self._free = self._gk.free_pages()
+        return self._free
+
     def changed(self) -> None:
         """A gpukv call outside the queue changed the pool."""
-        self._obtainable = None
+        self._obtainable = self._free = None
         self.version += 1
 
     def affects(self, request) -> bool:
         """Could the queued calls change what a lookup of ``request`` finds?"""
         if self.closes:
             return True
-        if self.pending_new and self.pending_new > self._gk.free_pages():
+        if self.pending_new and self.pending_new > self.free():
             return True  # a queued allocation evicts: maybe a block this request would hit
         hashes = request.block_hashes
         n = len(hashes)
@@ -158,19 +166,21 @@ class StepCalls:
     # -- issuing -----------------------------------------------------------------
     def flush(self) -> None:
         """Issue everything queued, in the order it was decided."""
-        self._obtainable = None
         self.version += 1
-        if self.alloc:
-            self._issue_allocations()
-        if self.commits:
-            self._issue_commits()
-        if self.closes:
-            closes, self.closes = self.closes, []
-            self._gk.close_batch([s.kv for s in closes])
+        try:
+            if self.alloc:
+                self._issue_allocations()
+            if self.commits:
+                self._issue_commits()
+            if self.closes:
+                closes, self.closes = self.closes, []
+                self._gk.close_batch([s.kv for s in closes])
+        finally:
+            self._obtainable = self._free = None  # as of the calls just issued: read again when asked
 
     def _issue_allocations(self) -> None:
         alloc, self.alloc = self.alloc, []
-        evicts = self.pending_new > self._gk.free_pages()
+        evicts = self.pending_new > self.free()
         self.pending_new = self.pending_hits = 0
         T = self._T
         if evicts:
