@@ -50,6 +50,7 @@ from .arena import TokenSequence
 from .cache import KVCache
 from .cache_pool import is_batch, ranges
 from .core.config import DEFAULT_PRIORITY, check_priority
+from .core.errors import BusyError, LogicError
 from .core.layout import (
     ACTIVE,
     CLOSED,
@@ -73,8 +74,7 @@ from .core.layout import (
 )
 from .core.scope import ReuseScope, as_scope
 from .kernels.sha256 import digest_to_int64x4
-from .launcher import BusyError, LogicError
-from .tables import (
+from .table_sizes import (
     COPY_SLACK,
     LOG_MIN_ROWS,
     copy_rows_for,
@@ -582,7 +582,7 @@ class CacheCalls:
         the open set.
 
         A batch whose change log would not fit the budget
-        (``tables.CHANGE_LOG_BUDGET``) runs as consecutive launches over
+        (``table_sizes.CHANGE_LOG_BUDGET``) runs as consecutive launches over
         consecutive caches, each within it: the kernel runs the calls in
         order, so the tables, the events and the results are those of one
         launch. A single cache beyond the budget gets its own launch, with a

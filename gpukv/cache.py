@@ -17,13 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cache_pool import CachePool
+from .core.errors import LogicError
 from .core.kinds import NO_DROP, planned_drop_start
 from .core.layout import (
     ACTIVE,
     CLOSED,
     NULL,
-    PAGE_LEVEL,
-    PAGE_POOL_INDEX,
     PAGE_SERIAL,
     Q_CAPACITY,
     Q_COMMIT_STATE,
@@ -39,7 +38,8 @@ from .core.layout import (
     USER_STOP,
     slot_row,
 )
-from .launcher import Launcher, LogicError, serialized
+from .launcher import Launcher, serialized
+from .page_reads import pool_indices
 from .matching import Matcher
 from .tables import Tables
 from .tokens import ValidTokens
@@ -184,12 +184,7 @@ class KVCache:
         return int(self._pool_index(np.array([self._scalars[Q_SSM_PAGE]]))[0])
 
     def _pool_index(self, rows) -> np.ndarray:
-        out = np.full(len(rows), -1, dtype=np.int32)
-        have = np.nonzero(rows != NULL)[0]
-        tables = self._tables
-        on_gpu = tables.page_fields(rows[have], PAGE_LEVEL) == 0
-        out[have[on_gpu]] = tables.page_fields(rows[have[on_gpu]], PAGE_POOL_INDEX)
-        return out
+        return pool_indices(self._tables, np.asarray(rows, dtype=np.int64))
 
     # -- calls (batches of one: batch.CacheCalls) ------------------------------------------
     @serialized("kv.resume()")

@@ -41,7 +41,7 @@ from .core.layout import (
     TREE_OUT,
 )
 from .kernels.seq import SeqPool, SeqTables, build_seq_kernels
-from .tables import scratch_width
+from .table_sizes import scratch_width
 
 _SERIALS = itertools.count(1)  # tells every cache of the process apart (identity checks of batched calls)
 NO_CALLBACK = np.iinfo(np.int64).max  # priorities_known of a cache without a priority callback
@@ -325,7 +325,7 @@ class CachePool:
             self._pack(need)
         self.gen += 1  # views taken before are stale from here on, whatever happens next
         old_base, old_len = self.seg[slots, 0], self.seg[slots, 1]
-        top, T = self.top, self.T
+        top = self.top
         base = top + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
         A = self.arrays
         # The new segments are one stretch from the top: filled at once, then

@@ -49,7 +49,7 @@ import threading
 import numpy as np
 
 from . import kernel_cache
-from .core.errors import BusyError, LogicError, TreeError
+from .core.errors import BusyError, TreeError
 from .core.layout import (
     CNT_ERROR,
     CNT_LOG_LEN,

@@ -13,10 +13,11 @@ import numpy as np
 from . import kernel_cache, page_reads
 from .arena import TokenArena, TokenSequence
 from .core.backend import get_backend, quiet_simulator
-from .cache import CacheContext, KVCache, LogicError
+from .cache import CacheContext, KVCache
 from .batch import CacheCalls
 from .cache_pool import CachePool
 from .core.config import CacheConfig
+from .core.errors import LogicError
 from .core.kinds import has_window
 from .core.layout import CNT_DROPPED, CNT_EVICTED, CNT_MIGRATED
 from .launcher import Launcher, first_load, serialized

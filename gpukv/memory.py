@@ -11,7 +11,7 @@ at construction and never grow, so the figure is the index's whole footprint
 for the manager's life. With ``max_blocks=None`` the block-indexed tables
 start at 256 rows and double as the tree grows, and the change log grows on
 demand up to its budget; pass ``blocks=`` for the size at a given row count.
-Either way the change log is kept within ``tables.CHANGE_LOG_BUDGET`` bytes,
+Either way the change log is kept within ``table_sizes.CHANGE_LOG_BUDGET`` bytes,
 whatever the number of blocks; only one cache's call beyond it (a commit
 over more blocks than the budget covers) takes more, for its launch.
 
@@ -33,7 +33,8 @@ from .core.layout import (
     BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGES, POLICY, ROW_DTYPE,
     SHA256_WORK_WORDS, SLOTS,
 )
-from .tables import DeviceTables, copy_budget, preallocated_sizes, pow2_at_least
+from .table_sizes import copy_budget, pow2_at_least, preallocated_sizes
+from .tables import DeviceTables
 
 INT64 = np.dtype(np.int64).itemsize
 INT32 = np.dtype(np.int32).itemsize
@@ -68,7 +69,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
       bucket arrays of the power of two at least ``2r`` (int32);
     - per page ``P`` (GPU and host pages of every life cycle): ``pages``
       (its layout width, int64), ``page_free`` and ``row_free`` (int32) and
-      the copy list (``3P + 16`` records, int32, or ``tables.COPY_LIST_BUDGET``
+      the copy list (``3P + 16`` records, int32, or ``table_sizes.COPY_LIST_BUDGET``
       bytes when that is less);
     - the change log (``log``, ``log_tokens``), at the sizes
       ``tables.preallocated_sizes`` gives (with ``max_blocks``: its budget,

@@ -45,7 +45,7 @@ from .core.layout import (
 )
 from .core.config import DEFAULT_PRIORITY, check_priority
 from .core.scope import ReuseScope, as_scope
-from .launcher import Launcher, TreeError  # noqa: F401 (TreeError: raised for the tree's launches)
+from .launcher import Launcher
 from .tables import Tables
 from .tokens import token_array
 

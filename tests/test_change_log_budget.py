@@ -1,4 +1,4 @@
-"""The change log's budget (``tables.CHANGE_LOG_BUDGET``): a call whose worst
+"""The change log's budget (``table_sizes.CHANGE_LOG_BUDGET``): a call whose worst
 case needs more change-log room than the budget runs as consecutive launches
 that each fit, and gives exactly what one launch over an unbounded log gives;
 removals take no log room at all (retired rows, ``layout.RETIRED_*``), so a
@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import gpukv
-from gpukv import Attention, introspect, tables
+from gpukv import introspect, table_sizes
 from gpukv.core.layout import CNT_BLOCK_FREE_TOP, EV_REMOVED, EV_ROOT_REMOVED, LOG_KIND
 
 try:  # tests/ is on sys.path under pytest's default import mode
@@ -29,6 +27,7 @@ try:  # tests/ is on sys.path under pytest's default import mode
     from test_events_integration import SUBSET_CONFIGS
     from test_events_integration import test_conversation_events_under_memory_pressure_are_consistent as events_under_pressure
     from test_events_integration import test_conversation_events_with_a_host_tier_are_consistent as events_with_a_host_tier
+    from test_hostile_input import SHARED_VICTIM, requests_sharing_a_victim
     from test_kvcache_differential import CONFIG_IDS, CONFIGS, run_workload
 except ImportError:  # pragma: no cover - if tests/ becomes a package
     from tests.conftest import make_manager
@@ -39,6 +38,7 @@ except ImportError:  # pragma: no cover - if tests/ becomes a package
         test_conversation_events_under_memory_pressure_are_consistent as events_under_pressure,
         test_conversation_events_with_a_host_tier_are_consistent as events_with_a_host_tier,
     )
+    from tests.test_hostile_input import SHARED_VICTIM, requests_sharing_a_victim
     from tests.test_kvcache_differential import CONFIG_IDS, CONFIGS, run_workload
 
 T = 4
@@ -47,10 +47,10 @@ T = 4
 @pytest.fixture
 def tiny_log(monkeypatch):
     """The change log and the copy list at their least."""
-    monkeypatch.setattr(tables, "CHANGE_LOG_BUDGET", 0)
-    monkeypatch.setattr(tables, "COPY_LIST_BUDGET", 0)
-    monkeypatch.setattr(tables, "COPY_BUDGET_MIN_ROWS", 32)  # below the small pools' bound too
-    return tables.log_budget
+    monkeypatch.setattr(table_sizes, "CHANGE_LOG_BUDGET", 0)
+    monkeypatch.setattr(table_sizes, "COPY_LIST_BUDGET", 0)
+    monkeypatch.setattr(table_sizes, "COPY_BUDGET_MIN_ROWS", 32)  # below the small pools' bound too
+    return table_sizes.log_budget
 
 
 def test_the_budget_is_the_same_whatever_max_blocks_is():
@@ -58,14 +58,14 @@ def test_the_budget_is_the_same_whatever_max_blocks_is():
     large = gpukv.index_memory(gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**17, pages_per_life_cycle=2**17))
     for field in ("log", "log_tokens"):
         assert small.tables[field] == large.tables[field]
-    assert large.tables["log"] + large.tables["log_tokens"] <= tables.CHANGE_LOG_BUDGET
+    assert large.tables["log"] + large.tables["log_tokens"] <= table_sizes.CHANGE_LOG_BUDGET
 
 
 def test_tiny_budget_sizes(tiny_log):
-    assert tiny_log(T) == (tables.LOG_BUDGET_MIN_ROWS, tables.LOG_TOKENS_MIN_ROWS)
+    assert tiny_log(T) == (table_sizes.LOG_BUDGET_MIN_ROWS, table_sizes.LOG_TOKENS_MIN_ROWS)
     mgr = make_manager("cpu", tokens_per_block=T, max_blocks=64, pages_per_life_cycle=320)
-    assert mgr._tables.log.shape[0] == tables.LOG_BUDGET_MIN_ROWS
-    assert mgr._tables.copies.shape[0] == tables.COPY_BUDGET_MIN_ROWS < 3 * 320
+    assert mgr._tables.log.shape[0] == table_sizes.LOG_BUDGET_MIN_ROWS
+    assert mgr._tables.copies.shape[0] == table_sizes.COPY_BUDGET_MIN_ROWS < 3 * 320
     memory = gpukv.index_memory(mgr.config).tables
     assert memory["log"] == mgr._tables.log.nbytes and memory["copies"] == mgr._tables.copies.nbytes
 
@@ -124,7 +124,7 @@ def test_a_batch_beyond_the_budget_is_split(tiny_log, backend):
     for a, b in zip(kvs, twins):
         assert list(a.page_indices(0)) == list(b.page_indices(0))
         assert a.num_committed_tokens == b.num_committed_tokens == 20 * T
-    assert mgr._tables.log.shape[0] <= tables.LOG_BUDGET_MIN_ROWS  # never grew past the budget
+    assert mgr._tables.log.shape[0] <= table_sizes.LOG_BUDGET_MIN_ROWS  # never grew past the budget
     mgr.close_batch(kvs)
     introspect.check_sanity(mgr)
 
@@ -141,8 +141,8 @@ def test_one_cache_beyond_the_budget_gets_a_launch_of_its_own(tiny_log):
     kv.close()
     small = mgr.create_kv_cache()
     assert small.resume() and small.resize(T)
-    assert mgr._tables.log.shape[0] == tables.LOG_BUDGET_MIN_ROWS
-    assert mgr._tables.log_tokens.shape[0] == tables.LOG_TOKENS_MIN_ROWS
+    assert mgr._tables.log.shape[0] == table_sizes.LOG_BUDGET_MIN_ROWS
+    assert mgr._tables.log_tokens.shape[0] == table_sizes.LOG_TOKENS_MIN_ROWS
     assert mgr.probe_reuse(list(range(1, 300 * T + 1))) == 300 * T
     introspect.check_sanity(mgr)
 
@@ -153,16 +153,8 @@ def test_a_subtree_removal_takes_no_log_room(tiny_log):
     one resize, far more records than the log has rows; all are reported,
     each before the records logged after it, and the log does not grow."""
     n = 1000  # cpu only: the simulator takes a minute (test_hostile_input runs a small one on it)
-    mgr = make_manager("cpu", tokens_per_block=T, layers=[Attention()], pages_per_life_cycle=n + 16,
-                       max_kv_event_entries=10 * n)
-    shared = [1, 2, 3, 4]
-    for i in range(n):
-        tokens = shared + [10 + i, 5, 6, 7]
-        kv = mgr.create_kv_cache(input_tokens=tokens, priority_callback=lambda o, lc: 0 if o == 0 else 100)
-        assert kv.resume() and kv.resize(len(tokens), kv.num_committed_tokens)
-        kv.commit(tokens[kv.num_committed_tokens:])
-        kv.close()
-    mgr.get_latest_events()
+    mgr = requests_sharing_a_victim("cpu", n)
+    shared = SHARED_VICTIM
     rows = mgr._tables.log.shape[0]
     assert rows < n
     log = introspect.record_log(mgr)
@@ -202,9 +194,9 @@ def test_migrations_to_a_host_tier_fit_a_tiny_copy_list(tiny_log, config):
 
 def test_the_copy_list_is_budgeted_only_beyond_the_pools_bound():
     small = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64)._tables
-    assert small.copies.shape[0] == 3 * 64 + tables.COPY_SLACK and small.copy_room is None
+    assert small.copies.shape[0] == 3 * 64 + table_sizes.COPY_SLACK and small.copy_room is None
     big = gpukv.index_memory(gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**17, pages_per_life_cycle=2**17))
-    assert big.tables["copies"] <= tables.COPY_LIST_BUDGET
+    assert big.tables["copies"] <= table_sizes.COPY_LIST_BUDGET
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,

@@ -120,8 +120,8 @@ def test_the_circle_rule_sees_a_circle():
 # The facade's own order, bottom up, as docs/architecture.md lists it: each
 # module imports only modules before it (the package's __init__ comes last).
 FACADE_ORDER = [
-    "tables", "memory", "streams", "kernel_cache", "launcher", "page_memory", "tokens",
-    "tree", "arena", "matching", "cache_pool", "cache", "batch", "page_reads",
+    "table_sizes", "tables", "memory", "streams", "kernel_cache", "launcher", "page_memory", "tokens",
+    "tree", "arena", "matching", "cache_pool", "page_reads", "cache", "batch",
     "event_types", "events", "stats", "manager", "introspect", "zmq_events", "compile", "",
 ]
 
