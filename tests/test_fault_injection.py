@@ -483,6 +483,20 @@ def interrupt_at_line(k: int, where=None):
     return trace, fired
 
 
+def run_interrupted_at_line(k: int, call, where=None):
+    """``call()`` with ``interrupt_at_line(k, where)`` set: ``(its value, or
+    None when it was interrupted, the lines the interrupt fired at)``."""
+    trace, fired = interrupt_at_line(k, where)
+    sys.settrace(trace)
+    try:
+        value = call()
+    except KeyboardInterrupt:
+        value = None
+    finally:
+        sys.settrace(None)
+    return value, fired
+
+
 def _interrupt_at_line(function_name: str, k: int):
     """A trace function raising KeyboardInterrupt before the ``k``-th line of
     gpukv's ``function_name`` runs; returns (trace, fired)."""

@@ -251,21 +251,33 @@ def test_the_change_log_is_sized_for_a_launch_not_for_the_pool():
     introspect.check_sanity(mgr)
 
 
-def test_one_eviction_that_takes_a_whole_subtree_fits_the_log(backend):
-    """Many small requests share a first block that is the first victim
-    (priority 0): its death removes every request's blocks in the launch of
-    the one resize that evicted it, far more than that launch touches."""
-    n = 1000 if backend == "cpu" else 30
+SHARED_VICTIM = [1, 2, 3, 4]  # the first block of every request of requests_sharing_a_victim
+
+
+def requests_sharing_a_victim(backend, n: int):
+    """A manager where ``n`` cached requests of two blocks (T = 4) share a
+    first block that is the first eviction victim (priority 0), and 15
+    pages are free: the next eviction removes every request's blocks. Its
+    events so far are drained."""
     mgr = make_manager(backend, tokens_per_block=T, layers=[Attention()], pages_per_life_cycle=n + 16,
                        max_kv_event_entries=10 * n)
-    shared = [1, 2, 3, 4]
     for i in range(n):
-        tokens = shared + [10 + i, 5, 6, 7]
+        tokens = SHARED_VICTIM + [10 + i, 5, 6, 7]
         kv = mgr.create_kv_cache(input_tokens=tokens, priority_callback=lambda o, lc: 0 if o == 0 else 100)
         assert kv.resume() and kv.resize(len(tokens), kv.num_committed_tokens)
         kv.commit(tokens[kv.num_committed_tokens:])
         kv.close()
     mgr.get_latest_events()
+    return mgr
+
+
+def test_one_eviction_that_takes_a_whole_subtree_fits_the_log(backend):
+    """Many small requests share a first block that is the first victim
+    (priority 0): its death removes every request's blocks in the launch of
+    the one resize that evicted it, far more than that launch touches."""
+    n = 1000 if backend == "cpu" else 30
+    mgr = requests_sharing_a_victim(backend, n)
+    shared = SHARED_VICTIM
     other = mgr.create_kv_cache()
     assert other.resume() and other.resize(16 * T)  # 15 free pages: one eviction
     assert mgr.probe_reuse(shared + [10, 5, 6, 7]) == 0

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import random
-import sys
 
 import pytest
 
@@ -35,11 +34,11 @@ from gpukv import Attention, Ssm, introspect
 try:  # tests/ is on sys.path under pytest's default import mode
     from conftest import GPU_BACKEND, make_manager
     from engine import Engine
-    from test_fault_injection import interrupt_at_line
+    from test_fault_injection import run_interrupted_at_line
 except ImportError:  # pragma: no cover - if tests/ becomes a package
     from tests.conftest import GPU_BACKEND, make_manager
     from tests.engine import Engine
-    from tests.test_fault_injection import interrupt_at_line
+    from tests.test_fault_injection import run_interrupted_at_line
 
 T = 4
 ACTIVE = gpukv.KVCacheStatus.ACTIVE
@@ -67,14 +66,7 @@ class Sweep:
             except KeyboardInterrupt:
                 raise AssertionError(f"an uninterrupted {kind} raised KeyboardInterrupt") from None
         k = self.next.get(kind) or self.rng.randint(1, self.stride)
-        trace, fired = interrupt_at_line(k)
-        sys.settrace(trace)
-        try:
-            value = fn(*args)
-        except KeyboardInterrupt:
-            value = None
-        finally:
-            sys.settrace(None)
+        value, fired = run_interrupted_at_line(k, lambda: fn(*args))
         if fired:
             self.fired[kind] = self.fired.get(kind, 0) + 1
             self.next[kind] = k + self.stride
@@ -283,14 +275,7 @@ def test_a_creation_interrupted_at_any_line_leaks_no_pool_slot():
     _reusable_prompt(mgr, prompt)
     interrupted = 0
     for k in range(1, 2000):
-        trace, fired = interrupt_at_line(k)
-        sys.settrace(trace)
-        try:
-            got = mgr.create_kv_caches([prompt, prompt[:7], [5, 6]])
-        except KeyboardInterrupt:
-            got = None
-        finally:
-            sys.settrace(None)
+        got, fired = run_interrupted_at_line(k, lambda: mgr.create_kv_caches([prompt, prompt[:7], [5, 6]]))
         assert mgr._pool.slots_in_use() == (3 if got is not None else 0), f"interrupted at {fired}"
         assert set(mgr._open_caches) == set(got or []), f"interrupted at {fired}"
         if got is not None:
@@ -379,15 +364,8 @@ def test_a_publish_interrupted_at_any_line_never_leaves_a_router_wrong():
             tokens = [rng.randrange(1, 30) for _ in range(rng.randrange(4, 17))]
             _reusable_prompt(mgr, tokens)  # stores blocks, and evicts some in the small pool
             k += 1
-            trace, fired = interrupt_at_line(k, where=lambda code: not code.co_filename.endswith("events.py")
-                                             or code.co_filename.endswith("zmq_events.py"))
-            sys.settrace(trace)
-            try:
-                pub.publish()
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.settrace(None)
+            _, fired = run_interrupted_at_line(k, pub.publish, where=lambda code: not code.co_filename.endswith("events.py")
+                                               or code.co_filename.endswith("zmq_events.py"))
             if not fired:
                 k = 0  # past publish()'s last line: the sweep starts over
             interrupted += bool(fired)
@@ -431,14 +409,7 @@ def test_events_drained_under_interrupts_arrive_once_each_in_order():
     k = 1
     for _ in _events_workload(mgr, 12):
         while True:  # interrupt this drain at line k, k + 1, ... until one runs through
-            trace, fired = interrupt_at_line(k)
-            sys.settrace(trace)
-            try:
-                events = mgr.get_latest_events()
-            except KeyboardInterrupt:
-                events = None
-            finally:
-                sys.settrace(None)
+            events, fired = run_interrupted_at_line(k, mgr.get_latest_events)
             if fired:
                 interrupted += 1
                 k += 1

@@ -14,7 +14,6 @@ own page memory does with ``page_bytes > 0``.
 
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest
@@ -27,11 +26,11 @@ from gpukv.core.layout import CNT_NUM_COPIES, COPY_WIDTH
 try:  # tests/ is on sys.path under pytest's default import mode
     from conftest import GPU_BACKEND, make_manager
     from engine import Engine
-    from test_fault_injection import FaultyWorkload, interrupt_at_line
+    from test_fault_injection import FaultyWorkload, run_interrupted_at_line
 except ImportError:  # pragma: no cover - if tests/ becomes a package
     from tests.conftest import GPU_BACKEND, make_manager
     from tests.engine import Engine
-    from tests.test_fault_injection import FaultyWorkload, interrupt_at_line
+    from tests.test_fault_injection import FaultyWorkload, run_interrupted_at_line
 
 T = 4
 
@@ -188,14 +187,7 @@ def test_a_take_interrupted_at_any_line_hands_each_copy_over_once():
     interrupted = 0
     for k in range(1, 400):
         kv, dst = _one_private_tail_copy(mgr)
-        trace, fired = interrupt_at_line(k)
-        sys.settrace(trace)
-        try:
-            got = mgr.take_page_copies()
-        except KeyboardInterrupt:
-            got = None
-        finally:
-            sys.settrace(None)
+        got, fired = run_interrupted_at_line(k, mgr.take_page_copies)
         later = mgr.take_page_copies()
         handed = ([] if got is None else got.dst_index.tolist()) + later.dst_index.tolist()
         assert handed == [dst], f"interrupted at {fired}: the copy to page {dst} was handed over as {handed}"
