@@ -3,7 +3,7 @@
 The tree kernels do not call into Python while they change the tree; they
 append records to a change log (``layout.LOG``), which the host drains after
 each launch. ``KVCacheEventManager.on_records`` replays those records, in
-order, through the reference event manager's operations:
+order, with the effect of the reference event manager's operations:
 
     EV_STORED_BLOCK header + EV_PAGE_INFO*       -> add_stored_block_event_from_block
     EV_STORED_LIFE_CYCLE header + EV_PAGE_INFO*  -> add_stored_life_cycle_event_from_block
@@ -42,6 +42,12 @@ Choices where the reference leaves room, all documented at their definition:
 ``NO_WINDOW`` (the window size of life cycles without one), the created event's
 layer group (None), and the byte order of ``sha256_64`` hashes.
 
+A launch's records are decoded as arrays (``_Launch``: kinds, keys, hashes,
+token rows and the covering pages of every header, each in one operation), so
+what stays per record is the ordered part the rules need: dictionary lookups
+and the events themselves. A launch applies whole or not at all (see
+``on_records``).
+
 The module is long because the event manager keeps the reference's operations
 one to one, and the four rules above only make sense read together.
 """
@@ -51,6 +57,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -123,10 +130,15 @@ class LoggedBlock:
 # ---------------------------------------------------------------------------
 
 
-@dataclass
-class _Announced:
+class _Announced(NamedTuple):
+    """A block's announcements. Immutable: a change stores a new one, so a
+    saved reference is a snapshot (``_save``)."""
+
     block_hash: EventHash
-    life_cycles: set
+    life_cycles: tuple  # ascending
+
+
+_DEFAULT_SCOPE = ReuseScope()
 
 
 class KVCacheEventManager:
@@ -164,6 +176,10 @@ class KVCacheEventManager:
         self._removed: dict[int, list] = {}  # layer group -> buffered removed hashes
         self._pending: list[KVCacheEvent] = []  # this iteration's events
         self._latest_stored: dict[int, int] = {}  # layer group -> index in _pending
+        # Layer group -> blocks that continue its latest stored event and are
+        # not written into it yet: a chain grows by appends and its event is
+        # rebuilt once (_seal), not once per block. Empty between calls.
+        self._extending: dict[int, list] = {}
         # layer group -> last block hash of its latest stored event when _trim
         # dropped that event: a continuation extends it, out of sight, as it
         # would have extended the event that the queue then drops anyway.
@@ -176,7 +192,7 @@ class KVCacheEventManager:
         self._scope_of: dict[bytes, ReuseScope] = {}
         # The event id at which each tree clear began, oldest first (see mark_clear).
         self._clear_marks: deque[int] = deque(maxlen=max(self.max_entries, 1))
-        self._unique_tokens: dict = {}  # token (int or digest bytes) -> its UniqueToken (_payload)
+        self._unique_tokens = _UniqueTokens()  # shared by every stored payload
 
     # -- the manager's entry points ---------------------------------------------
     def created(self, num_blocks_per_cache_level) -> None:
@@ -192,8 +208,12 @@ class KVCacheEventManager:
 
         ``progress`` (a one-element int64 array) makes the call resumable: it
         starts at ``records[progress[0]]`` and advances ``progress[0]`` past
-        each record it has applied, so records consumed before an exception
-        are not applied twice when the same records come again."""
+        the records it has applied, so records consumed before an exception
+        are not applied twice when the same records come again. The records
+        from ``progress[0]`` on apply as one: when an exception (an
+        asynchronous one included) cuts them short, the event state is put
+        back as it was and ``progress[0]`` does not move. Malformed records
+        are rejected before anything is applied."""
         if not self.enabled:
             return
         records = np.asarray(records)
@@ -201,51 +221,35 @@ class KVCacheEventManager:
             raise ValueError(f"records must have shape [n, {LOG.width}], got {records.shape}")
         if progress is None:
             progress = np.zeros(1, dtype=np.int64)
-        n = len(records)
-        if int(progress[0]) >= n:
+        start, n = int(progress[0]), len(records)
+        if start >= n:
             return
-        launch = _Launch(records, log_tokens)
-        rows = launch.rows
-        while (i := int(progress[0])) < n:
-            if rows[i][LOG_KIND] in (EV_CREATED, EV_ROOT_REMOVED):
-                # Tree bookkeeping, no event state: nothing to save or restore
-                # (about half the records of a step that stores new blocks).
-                progress[0] = i + 1
-            else:
-                self._apply_atomically(launch, progress)
-
-    def _apply_atomically(self, launch: "_Launch", progress: np.ndarray) -> None:
-        """Apply the record at ``progress[0]`` and advance ``progress[0]`` past
-        it, or, when an exception (an asynchronous one included) cuts the
-        application short, leave everything as it was before the record.
-
-        One record changes the event state in several steps (a stored event
-        per life cycle; a removal forgets the block, then queues its removed
-        hashes), and a record the count does not pass is applied again from
-        its start. So the state the record may touch is saved first and put
-        back unless the count moved: the count is one store, made last."""
-        i = int(progress[0])
-        saved = self._save(launch.key(i))
+        launch = _Launch(records[start:], log_tokens, self.event_hash, self._digest_of_token, self._unique_tokens, start)
+        if not launch.keys:  # tree bookkeeping only: no event state to change
+            progress[0] = n
+            return
+        # The state a launch may change is saved first and put back unless the
+        # count moved: the count is one store, made last.
+        saved = self._save(launch.keys)
         try:
-            progress[0] = self._apply_record(launch, i)
+            self._apply(launch)
+            self._seal_all()
+            progress[0] = n
         except BaseException:
-            if int(progress[0]) == i:
+            if int(progress[0]) != n:
                 self._restore(saved)
             raise
 
-    def _save(self, key: bytes) -> tuple:
-        """What applying the record of block ``key`` may change, cheaply: the
-        announcements and scope of its block (a record names one block), the
-        small per-group dicts, the buffered removals by length, the pending
-        list by length and the entries a stored event may extend in place,
-        and the event id."""
-        announced = self._stored.get(key)
-        if announced is not None:
-            announced = _Announced(announced.block_hash, set(announced.life_cycles))
+    def _save(self, keys: list) -> tuple:
+        """What applying records of blocks ``keys`` may change, cheaply: their
+        announcements and scopes (references: both are replaced, never
+        changed in place), the small per-group dicts, the buffered removals by
+        length, the pending list by length and the entries a stored event may
+        extend in place, and the event id."""
         pending = self._pending
         return (
-            key, announced, self._scope_of.get(key), self._next_event_id,
-            dict(self._latest_stored), dict(self._dropped_tail),
+            dict(zip(keys, map(self._stored.get, keys))), dict(zip(keys, map(self._scope_of.get, keys))),
+            self._next_event_id, dict(self._latest_stored), dict(self._dropped_tail),
             {g: (hashes, len(hashes)) for g, hashes in self._removed.items()},
             pending, len(pending), {at: pending[at] for at in self._latest_stored.values()},
         )
@@ -254,15 +258,13 @@ class KVCacheEventManager:
         """Put back what ``_save`` kept. ``_trim`` and the flushes replace the
         pending list and the removal lists rather than cutting them, so the
         saved ones still hold everything they held."""
-        key, announced, scope, next_id, latest, tail, removed, pending, n_pending, extended = saved
-        if announced is None:
-            self._stored.pop(key, None)
-        else:
-            self._stored[key] = announced
-        if scope is None:
-            self._scope_of.pop(key, None)
-        else:
-            self._scope_of[key] = scope
+        announced, scopes, next_id, latest, tail, removed, pending, n_pending, extended = saved
+        for into, was in ((self._stored, announced), (self._scope_of, scopes)):
+            for key, value in was.items():
+                if value is None:
+                    into.pop(key, None)
+                else:
+                    into[key] = value
         for hashes, n in removed.values():
             del hashes[n:]
         del pending[n_pending:]
@@ -271,44 +273,48 @@ class KVCacheEventManager:
                 pending[at] = event
         self._removed = {g: hashes for g, (hashes, _) in removed.items()}
         self._pending = pending
+        self._extending = {}
         self._latest_stored = latest
         self._dropped_tail = tail
         self._next_event_id = next_id
 
-    def _apply_record(self, launch: "_Launch", i: int) -> int:
-        """Apply the record at ``i`` (a stored header with its page infos, or
-        one record); returns the index of the next one."""
-        r = launch.rows[i]
-        kind = r[LOG_KIND]
-        if kind in (EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE):
-            j = launch.next_header(i)
-            block = self._logged_block(launch, i, j)
-            if kind == EV_STORED_BLOCK:
-                self.add_stored_block_event_from_block(block)
-            else:
-                self.add_stored_life_cycle_event_from_block(block, r[LOG_LIFE_CYCLE])
-            return j
-        if kind == EV_REMOVED:
-            # One record per detached block. Removing a subtree key by key
-            # gives the events of one batched call: removals are buffered
-            # per group, in order, until something flushes them.
-            key = launch.key(i)
-            self._scope_of.pop(key, None)
-            self.add_removed_event([key])
-        elif kind == EV_REMOVED_LIFE_CYCLE:
-            self.add_removed_life_cycle_event(launch.key(i), r[LOG_LIFE_CYCLE])
-        elif kind == EV_UPDATED:
-            self.add_updated_event(
-                launch.key(i),
-                cache_level=Diff(r[LOG_OLD_LEVEL], r[LOG_LEVEL]),
-                priority=None,
-                layer_group_id=r[LOG_LIFE_CYCLE],
-            )
-        elif kind == EV_PAGE_INFO:
-            raise ValueError(f"log record {i}: a page info record without a stored header")
-        elif kind not in (EV_CREATED, EV_ROOT_REMOVED):
-            raise ValueError(f"log record {i}: unknown kind {kind}")
-        return i + 1
+    def _apply(self, launch: "_Launch") -> None:
+        """Apply a launch's records in log order. Everything per record was
+        decoded by ``_Launch``; what is left here is the order-dependent part
+        of the rules (announcements, scopes, removal buffering, chains)."""
+        stored, scope_of = self._stored, self._scope_of
+        header = iter(launch.headers()).__next__
+        for (kind, lc, old_level, level), key in zip(launch.fields, launch.keys):
+            if kind == EV_STORED_BLOCK or kind == EV_STORED_LIFE_CYCLE:
+                block_hash, parent_key, parent_hash, at_root, covering, payload = header()
+                if at_root:
+                    parent_hash = None
+                    found = None if self._scope_of_root is None else self._scope_of_root(parent_key)
+                    scope = None if found is None or found == _DEFAULT_SCOPE else found
+                else:
+                    scope = scope_of.get(parent_key) if scope_of else None
+                if scope is not None:
+                    scope_of[key] = scope
+                if not covering:  # nothing covers the whole block: nothing to announce
+                    continue
+                if kind == EV_STORED_BLOCK:
+                    self._store_block(key, block_hash, parent_hash, scope, covering, payload)
+                else:
+                    self._store_life_cycle(key, block_hash, parent_hash, scope, covering, payload, lc)
+            elif kind == EV_REMOVED:
+                # One record per detached block. Removing a subtree key by key
+                # gives the events of one batched call: removals are buffered
+                # per group, in order, until something flushes them.
+                if scope_of:
+                    scope_of.pop(key, None)
+                state = stored.pop(key, None)
+                if state is not None:
+                    for g in state.life_cycles:
+                        self._enqueue_removed([state.block_hash], g)
+            elif kind == EV_REMOVED_LIFE_CYCLE:
+                self.add_removed_life_cycle_event(key, lc)
+            else:  # EV_UPDATED (_Launch keeps no other kind)
+                self.add_updated_event(key, cache_level=Diff(old_level, level), priority=None, layer_group_id=lc)
 
     def flush_iteration_events(self) -> None:
         """End the iteration: flush the buffered removals and move every pending
@@ -317,6 +323,7 @@ class KVCacheEventManager:
         if not self.enabled:
             return
         self._finish_move()
+        self._seal_all()
         self._flush_all_removed()
         # The hints into the pending list go first: dropping one early only
         # ends a chain sooner, a stale one would index the next list.
@@ -384,31 +391,21 @@ class KVCacheEventManager:
         """Announce every life cycle whose page covers the whole block (and no
         other), one stored event each, ascending; the announcements replace
         any earlier ones of the block. Nothing when no page covers it."""
-        covering = sorted(lc for lc, page in block.pages.items() if page.covers)
-        if not covering:
-            return
-        block_hash = self._hash(block.key)
-        self._stored[block.key] = _Announced(block_hash, set(covering))
-        parent_hash = self._parent_hash(block)
-        payload = self._payload(block)
-        for lc in covering:
-            data = self._block_data(payload, block_hash, block.pages[lc])
-            self._add_stored_event(parent_hash, data, lc, block.scope)
+        covering = _covering_pages(block)
+        if covering:
+            self._store_block(block.key, self._hash(block.key), self._parent_hash(block), block.scope,
+                              covering, _payload(block.tokens, self._unique_tokens))
+            self._seal_all()
 
     def add_stored_life_cycle_event_from_block(self, block: LoggedBlock, life_cycle: int) -> None:
         """Announce one more life cycle of an announced block, when its page
         covers the whole block; a block never announced takes the whole-block
         path instead."""
-        state = self._stored.get(block.key)
-        if state is None:
-            self.add_stored_block_event_from_block(block)
-            return
-        page = block.pages.get(life_cycle)
-        if life_cycle in state.life_cycles or page is None or not page.covers:
-            return
-        state.life_cycles.add(life_cycle)
-        data = self._block_data(self._payload(block), state.block_hash, page)
-        self._add_stored_event(self._parent_hash(block), data, life_cycle, block.scope)
+        covering = _covering_pages(block)
+        if covering:
+            self._store_life_cycle(block.key, self._hash(block.key), self._parent_hash(block), block.scope,
+                                   covering, _payload(block.tokens, self._unique_tokens), life_cycle)
+            self._seal_all()
 
     def add_removed_event(self, keys: Iterable[bytes]) -> None:
         """Blocks left the tree: a removed entry per announced life cycle.
@@ -418,7 +415,7 @@ class KVCacheEventManager:
             state = self._stored.pop(key, None)
             if state is None:
                 continue
-            for lc in sorted(state.life_cycles):
+            for lc in state.life_cycles:
                 by_group.setdefault(lc, []).append(state.block_hash)
         for lc in sorted(by_group):
             self._enqueue_removed(by_group[lc], lc)
@@ -430,8 +427,10 @@ class KVCacheEventManager:
         state = self._stored.get(key)
         if state is None or life_cycle not in state.life_cycles:
             return
-        state.life_cycles.remove(life_cycle)
-        if not state.life_cycles:
+        rest = tuple(lc for lc in state.life_cycles if lc != life_cycle)
+        if rest:
+            self._stored[key] = _Announced(state.block_hash, rest)
+        else:
             del self._stored[key]
         self._enqueue_removed([state.block_hash], life_cycle)
 
@@ -451,12 +450,42 @@ class KVCacheEventManager:
             return
         self._add_event(KVCacheUpdatedData(state.block_hash, cache_level, priority), layer_group_id)
 
+    # -- the two stored paths, on a decoded block ----------------------------------
+    # ``covering`` lists ``(life cycle, level, priority)`` of the block's pages
+    # that cover it whole, ascending (never empty); ``payload`` is its
+    # ``(tokens, mm_keys)`` as stored events carry them (``_payload``).
+    def _store_block(self, key: bytes, block_hash, parent_hash, scope, covering, payload) -> None:
+        self._stored[key] = _Announced(block_hash, tuple([page[0] for page in covering]))
+        tokens, mm_keys = payload
+        for lc, level, priority in covering:
+            data = KVCacheStoredBlockData(block_hash, tokens, level, priority, mm_keys)
+            self._add_stored_event(parent_hash, data, lc, scope)
+
+    def _store_life_cycle(self, key: bytes, block_hash, parent_hash, scope, covering, payload, life_cycle) -> None:
+        state = self._stored.get(key)
+        if state is None:
+            self._store_block(key, block_hash, parent_hash, scope, covering, payload)
+            return
+        if life_cycle in state.life_cycles:
+            return
+        for lc, level, priority in covering:
+            if lc == life_cycle:
+                break
+        else:  # its page does not cover the block
+            return
+        self._stored[key] = _Announced(state.block_hash, tuple(sorted(state.life_cycles + (life_cycle,))))
+        tokens, mm_keys = payload
+        data = KVCacheStoredBlockData(state.block_hash, tokens, level, priority, mm_keys)
+        self._add_stored_event(parent_hash, data, life_cycle, scope)
+
     # -- batching and ordering ---------------------------------------------------
     def _add_event(self, data: EventData, group: int | None) -> int:
         """Append an event to this iteration's list; returns its index there."""
         if not isinstance(data, KVCacheRemovedData):
             # Removals that happened before this event must be seen before it.
             self._flush_all_removed()
+        if not isinstance(data, KVCacheStoredData):
+            self._end_chain(group)
         event = KVCacheEvent(
             event_id=self._next_event_id,
             data=data,
@@ -467,9 +496,6 @@ class KVCacheEventManager:
         )
         self._next_event_id += 1
         self._pending.append(event)
-        if not isinstance(data, KVCacheStoredData):
-            self._latest_stored.pop(group, None)
-            self._dropped_tail.pop(group, None)
         if len(self._pending) >= 2 * self.max_entries + 16:
             self._trim()
         return len(self._pending) - 1
@@ -478,6 +504,7 @@ class KVCacheEventManager:
         """Keep the newest ``max_entries`` pending events. The queue would drop
         the others at the next flush: it keeps the newest ``max_entries`` of
         everything, and these are newer."""
+        self._seal_all()
         cut = len(self._pending) - self.max_entries
         for group, at in list(self._latest_stored.items()):
             if at < cut:
@@ -492,21 +519,47 @@ class KVCacheEventManager:
                           scope: ReuseScope | None = None) -> None:
         # The group's own removals go first, ahead of the other groups' too: a
         # block removed and then stored again must not read as stored, removed.
-        self._flush_removed(group)
-        latest = self._latest_stored.get(group)
-        if not self._removed and latest is not None:
-            event = self._pending[latest]
-            if event.data.blocks[-1].block_hash == parent_hash and event.data.scope == scope:
-                data = replace(event.data, blocks=event.data.blocks + (block,))
-                self._pending[latest] = replace(event, data=data)
+        if self._removed:
+            self._flush_removed(group)
+        if not self._removed:
+            latest = self._latest_stored.get(group)
+            if latest is not None:
+                event = self._pending[latest]
+                extending = self._extending.get(group)
+                last = extending[-1] if extending else event.data.blocks[-1]
+                if last.block_hash == parent_hash and event.data.scope == scope:
+                    if extending is None:
+                        self._extending[group] = [block]
+                    else:
+                        extending.append(block)
+                    return
+            if self._dropped_tail and self._dropped_tail.get(group) == (parent_hash, scope):
+                self._dropped_tail[group] = (block.block_hash, scope)  # extends an event the cap dropped
                 return
-        if not self._removed and self._dropped_tail.get(group) == (parent_hash, scope):
-            self._dropped_tail[group] = (block.block_hash, scope)  # extends an event the cap dropped
-            return
-        self._dropped_tail.pop(group, None)
+        self._end_chain(group)
         # Not a continuation: a new event (which flushes the other groups'
         # removals, ascending, before it).
         self._latest_stored[group] = self._add_event(KVCacheStoredData(parent_hash, (block,), scope), group)
+
+    def _end_chain(self, group: int | None) -> None:
+        """The group's latest stored event takes no more blocks."""
+        self._seal(group)
+        self._latest_stored.pop(group, None)
+        self._dropped_tail.pop(group, None)
+
+    def _seal(self, group: int | None) -> None:
+        """Write the blocks waiting in ``_extending`` into the group's latest
+        stored event."""
+        blocks = self._extending.get(group)
+        if blocks:
+            at = self._latest_stored[group]
+            event = self._pending[at]
+            self._pending[at] = replace(event, data=replace(event.data, blocks=event.data.blocks + tuple(blocks)))
+        self._extending.pop(group, None)
+
+    def _seal_all(self) -> None:
+        for group in list(self._extending):
+            self._seal(group)
 
     def _enqueue_removed(self, hashes: list, group: int) -> None:
         # The group's chain ends here too: the removed event these hashes are
@@ -519,8 +572,9 @@ class KVCacheEventManager:
             self._add_event(KVCacheRemovedData(tuple(hashes)), group)
 
     def _flush_all_removed(self) -> None:
-        for group in sorted(self._removed):
-            self._flush_removed(group)
+        if self._removed:
+            for group in sorted(self._removed):
+                self._flush_removed(group)
 
     # -- helpers -----------------------------------------------------------------
     def _window_size(self, group: int | None) -> int:
@@ -534,105 +588,176 @@ class KVCacheEventManager:
     def _parent_hash(self, block: LoggedBlock) -> EventHash | None:
         return None if block.parent_key is None else self._hash(block.parent_key)
 
-    @staticmethod
-    def _block_data(payload: tuple, block_hash: EventHash, page: PageInfo) -> KVCacheStoredBlockData:
-        """The stored payload (``_payload``) of a block as announced for
-        ``page``'s life cycle."""
-        tokens, mm_keys = payload
-        return KVCacheStoredBlockData(block_hash, tokens, page.level, page.priority, mm_keys)
 
-    def _payload(self, block: LoggedBlock) -> tuple:
-        """``(tokens, mm_keys)`` of ``block``'s stored events, built once per
-        block however many life cycles announce it. Token objects come from
-        ``_unique_tokens``: building a frozen dataclass per token of every
-        stored block was most of the cost of events."""
-        cache = self._unique_tokens
-        try:
-            tokens = tuple(map(cache.__getitem__, block.tokens))
-        except KeyError:
-            if len(cache) > _UNIQUE_TOKENS_MAX:
-                cache = self._unique_tokens = {}  # one store: an interrupt leaves a whole cache
-            for t in block.tokens:
-                if t not in cache:
-                    cache[t] = UniqueToken(t.hex() if isinstance(t, bytes) else t)
-            tokens = tuple(map(cache.__getitem__, block.tokens))
-        mm_keys = ()
-        if bytes in set(map(type, block.tokens)):
-            mm_keys = tuple(dict.fromkeys(t.hex() for t in block.tokens if isinstance(t, bytes)))
-        return tokens, mm_keys
-
-    def _logged_block(self, launch: "_Launch", i: int, j: int) -> LoggedBlock:
-        """The block of the stored header at ``i``, its page infos up to ``j``."""
-        header = launch.rows[i]
-        tokens = launch.tokens(header[LOG_TOKENS_AT], header[LOG_NUM_TOKENS])
-        if launch.multimodal and min(tokens, default=0) < 0:  # interned multimodal digests
-            tokens = tuple(launch.digest_token(t, self._digest_of_token) if t < 0 else t for t in tokens)
-        pages = {
-            p[LOG_LIFE_CYCLE]: PageInfo(bool(p[LOG_COVERS]), p[LOG_LEVEL], p[LOG_PRIORITY])
-            for p in launch.rows[i + 1 : j]
-        }
-        key = launch.key(i)
-        if header[LOG_PARENT_IS_ROOT]:
-            parent = None
-            found = None if self._scope_of_root is None else self._scope_of_root(launch.parent_key(i))
-            scope = None if found is None or found == ReuseScope() else found
-        else:
-            parent = launch.parent_key(i)
-            scope = self._scope_of.get(parent)
-        if scope is not None:
-            self._scope_of[key] = scope
-        return LoggedBlock(key, parent, tokens, pages, scope)
+def _covering_pages(block: LoggedBlock) -> list:
+    """``(life cycle, level, priority)`` of the pages of ``block`` that cover it
+    whole, ascending."""
+    return [(lc, page.level, page.priority) for lc, page in sorted(block.pages.items()) if page.covers]
 
 
-# Distinct tokens whose UniqueToken the event manager keeps (about a vocabulary;
-# the cache starts over beyond it, so multimodal digests cannot grow it forever).
-_UNIQUE_TOKENS_MAX = 1 << 18
+# Token ids below this are kept in _UniqueTokens' table (one pointer each, so at
+# most 8 MiB); the others, and multimodal digests, in a dict of at most
+# _OTHER_TOKENS_MAX entries that starts over beyond it (digests cannot grow it
+# forever).
+_TABLE_TOKENS_MAX = 1 << 20
+_OTHER_TOKENS_MAX = 1 << 18
+
+
+class _UniqueTokens:
+    """The UniqueToken of every distinct token, made once and shared by all
+    stored payloads: a frozen dataclass per token of every stored block would
+    be most of the cost of events. Token ids in [0, _TABLE_TOKENS_MAX) are
+    kept in an object array indexed by id, so the payloads of a launch are one
+    gather (``rows``); other tokens in a dict (``of``). Filling either in is
+    safe to interrupt: an entry is made again if its mark is missing, and the
+    table grows by replacing both arrays in one store."""
+
+    def __init__(self):
+        self._table = (np.empty(0, dtype=object), np.zeros(0, dtype=bool))  # (tokens, made), by id
+        self._other: dict = {}
+
+    def rows(self, ids: np.ndarray) -> list:
+        """The UniqueToken lists of the rows of ``ids`` (2-D, every id in
+        [0, _TABLE_TOKENS_MAX))."""
+        tokens, made = self._grown(int(ids.max()) + 1)
+        new = np.unique(ids[~made[ids]])
+        if new.size:
+            tokens[new] = [UniqueToken(t) for t in new.tolist()]
+            made[new] = True
+        return tokens[ids].tolist()
+
+    def of(self, tokens) -> tuple:
+        """The UniqueTokens of one token list (ints and 32-byte digests)."""
+        return tuple(map(self._one, tokens))
+
+    def _one(self, token) -> UniqueToken:
+        if type(token) is int and 0 <= token < _TABLE_TOKENS_MAX:
+            return self.rows(np.array([[token]], dtype=np.int64))[0][0]
+        found = self._other.get(token)
+        if found is None:
+            if len(self._other) >= _OTHER_TOKENS_MAX:
+                self._other = {}  # one store: an interrupt leaves a whole dict
+            found = self._other[token] = UniqueToken(token.hex() if isinstance(token, bytes) else token)
+        return found
+
+    def _grown(self, size: int) -> tuple:
+        tokens, made = self._table
+        if size > len(tokens):
+            n = min(max(size, 2 * len(tokens), 1 << 16), _TABLE_TOKENS_MAX)
+            bigger, marks = np.empty(n, dtype=object), np.zeros(n, dtype=bool)
+            bigger[: len(tokens)], marks[: len(made)] = tokens, made
+            self._table = tokens, made = bigger, marks
+        return tokens, made
+
+
+def _payload(tokens, unique: _UniqueTokens) -> tuple:
+    """``(tokens, mm_keys)`` of a block's stored events from its token list
+    (ints, and 32-byte digests for multimodal tokens), one token at a time:
+    for blocks ``_Launch`` cannot build in bulk (multimodal ones, and blocks
+    given to the public stored operations)."""
+    mm_keys = tuple(dict.fromkeys(t.hex() for t in tokens if isinstance(t, bytes)))
+    return unique.of(tokens), mm_keys
+
+
+# change-log kind -> what _Launch does with its record.
+_SKIP, _EVENTFUL, _INFO = 1, 2, 3
+_KIND_ROLE = np.zeros(max(EV_CREATED, EV_PAGE_INFO, EV_REMOVED, EV_REMOVED_LIFE_CYCLE, EV_ROOT_REMOVED,
+                          EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE, EV_UPDATED) + 1, dtype=np.int8)  # 0: unknown
+_KIND_ROLE[[EV_CREATED, EV_ROOT_REMOVED]] = _SKIP  # tree bookkeeping
+_KIND_ROLE[[EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE, EV_REMOVED, EV_REMOVED_LIFE_CYCLE, EV_UPDATED]] = _EVENTFUL
+_KIND_ROLE[EV_PAGE_INFO] = _INFO
 
 
 class _Launch:
-    """One launch's change log, decoded with a few array operations instead of
-    per record: the rows as Python ints, every record's block key and parent
-    key as bytes, and the token rows as lists, on first use. Nothing here is
-    event state, so an interrupt while building it changes nothing."""
+    """One launch's change log, decoded with array operations instead of per
+    record. ``fields`` and ``keys``: for each record that can make an event,
+    in log order, its ``[kind, life cycle, old level, level]`` and its block
+    key. ``headers()``: for each stored header, in log order, its hash,
+    parent, covering pages and payload. Nothing here is event state (the
+    token objects are shared, safely), so an interrupt while building it
+    changes nothing. Malformed records raise ValueError here, before the
+    event manager applies any."""
 
-    __slots__ = ("rows", "multimodal", "_keys", "_parents", "_log_tokens", "_token_rows", "_digests")
+    __slots__ = ("fields", "keys", "_headers")
 
-    def __init__(self, records: np.ndarray, log_tokens: np.ndarray):
-        self.rows = records.tolist()
-        self._keys = _digest_bytes(records, LOG_DIGEST)
-        self._parents = _digest_bytes(records, LOG_PARENT_DIGEST)
-        self._log_tokens = log_tokens
-        self._token_rows: dict[int, list] = {}
-        self.multimodal = bool(np.size(log_tokens)) and int(np.min(log_tokens)) < 0
-        self._digests: dict[int, bytes] = {}  # negative token id -> digest
+    def __init__(self, records: np.ndarray, log_tokens: np.ndarray, event_hash: str,
+                 digest_of_token: Callable[[int], bytes], unique: _UniqueTokens, first: int = 0):
+        records = records.reshape(-1, LOG.width)
+        kinds = records[:, LOG_KIND]
+        known = (kinds >= 0) & (kinds < len(_KIND_ROLE))
+        role = np.where(known, _KIND_ROLE[np.where(known, kinds, 0)], 0)
+        is_info = role == _INFO
+        # The record each page info belongs to: the last record before it that is no page info.
+        owner = np.maximum.accumulate(np.where(is_info, -1, np.arange(len(kinds))))
+        is_header = (kinds == EV_STORED_BLOCK) | (kinds == EV_STORED_LIFE_CYCLE)
+        bad = np.flatnonzero((role == 0) | is_info & ((owner < 0) | ~is_header[np.maximum(owner, 0)]))
+        if bad.size:
+            i = int(bad[0])
+            if role[i] == 0:
+                raise ValueError(f"log record {first + i}: unknown kind {int(kinds[i])}")
+            raise ValueError(f"log record {first + i}: a page info record without a stored header")
 
-    def key(self, i: int) -> bytes:
-        return self._keys[32 * i : 32 * i + 32]
+        rows = records[role == _EVENTFUL]
+        self.fields = rows[:, [LOG_KIND, LOG_LIFE_CYCLE, LOG_OLD_LEVEL, LOG_LEVEL]].tolist()
+        self.keys = _keys(rows, LOG_DIGEST)
+        headers = np.flatnonzero(is_header)
+        if not headers.size:
+            self._headers = ()
+            return
+        h = records[headers]
+        # Covering page infos, grouped by header (they follow it, ascending).
+        covers = np.flatnonzero(is_info & (records[:, LOG_COVERS] != 0))
+        pages = records[covers][:, [LOG_LIFE_CYCLE, LOG_LEVEL, LOG_PRIORITY]].tolist()
+        lo = np.searchsorted(owner[covers], headers, "left")
+        hi = np.searchsorted(owner[covers], headers, "right")
+        covering = [pages[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+        payloads = _payloads(h, np.flatnonzero(hi > lo), log_tokens, digest_of_token, unique)
+        self._headers = (_hashes(h, LOG_DIGEST, event_hash), _keys(h, LOG_PARENT_DIGEST),
+                         _hashes(h, LOG_PARENT_DIGEST, event_hash), h[:, LOG_PARENT_IS_ROOT].tolist(),
+                         covering, payloads)
 
-    def parent_key(self, i: int) -> bytes:
-        return self._parents[32 * i : 32 * i + 32]
-
-    def next_header(self, i: int) -> int:
-        """The index after the page infos that follow the header at ``i``."""
-        rows, j = self.rows, i + 1
-        while j < len(rows) and rows[j][LOG_KIND] == EV_PAGE_INFO:
-            j += 1
-        return j
-
-    def tokens(self, at: int, n: int) -> tuple:
-        row = self._token_rows.get(at)
-        if row is None:
-            row = self._token_rows[at] = self._log_tokens[at].tolist()
-        return tuple(row[:n])
-
-    def digest_token(self, t: int, digest_of_token) -> bytes:
-        d = self._digests.get(t)
-        if d is None:
-            d = self._digests[t] = bytes(digest_of_token(t))
-        return d
+    def headers(self):
+        """``(block hash, parent key, parent hash, parent is a root, covering
+        pages, payload)`` per stored header, in log order."""
+        return zip(*self._headers) if self._headers else iter(())
 
 
-def _digest_bytes(records: np.ndarray, col: int) -> bytes:
-    """The int64x4 digests at ``col`` of every record, as 32 bytes each (the
-    byte order of ``int64x4_to_digest``), in one conversion."""
-    return np.ascontiguousarray(records[:, col : col + 4], dtype="<i8").tobytes()
+def _keys(rows: np.ndarray, col: int) -> list:
+    """The int64x4 digests at ``col`` of ``rows`` as 32 bytes each (the byte
+    order of ``int64x4_to_digest``), in one conversion."""
+    return np.ascontiguousarray(rows[:, col : col + 4], dtype="<i8").view("V32").ravel().tolist()
+
+
+def _hashes(rows: np.ndarray, col: int, event_hash: str) -> list:
+    """``event_block_hash`` of the digests at ``col`` of ``rows``, all at once."""
+    if event_hash == "sha256_64":  # the first 8 bytes, big-endian unsigned
+        return np.ascontiguousarray(rows[:, col], dtype="<i8").view(">u8").tolist()
+    return list(map(bytes.hex, _keys(rows, col)))
+
+
+def _payloads(headers: np.ndarray, wanted: np.ndarray, log_tokens: np.ndarray, digest_of_token,
+              unique: _UniqueTokens) -> list:
+    """The payload (``_payload``) of each header in ``wanted`` (those with a
+    covering page: the others announce nothing, and get None): the rows of
+    plain token ids in one gather, the multimodal ones (negative ids stand
+    for interned digests) and any other token by token."""
+    out = [None] * len(headers)
+    if not wanted.size:
+        return out
+    rows = np.asarray(log_tokens)[headers[wanted, LOG_TOKENS_AT]]
+    counts = headers[wanted, LOG_NUM_TOKENS]
+    # The tokens past a block's count are not its own: read as 0.
+    ids = np.where(np.arange(rows.shape[1]) < counts[:, None], rows, 0)
+    plain = ((ids >= 0) & (ids < _TABLE_TOKENS_MAX)).all(axis=1)
+    if plain.any():
+        for j, row, n in zip(wanted[plain].tolist(), unique.rows(ids[plain]), counts[plain].tolist()):
+            out[j] = (tuple(row[:n]), ())
+    if not plain.all():
+        digests: dict[int, bytes] = {}  # negative token id -> digest, once per launch
+        for j, row, n in zip(wanted[~plain].tolist(), ids[~plain].tolist(), counts[~plain].tolist()):
+            tokens = row[:n]
+            for t in tokens:
+                if t < 0 and t not in digests:
+                    digests[t] = bytes(digest_of_token(t))
+            out[j] = _payload([digests[t] if t < 0 else t for t in tokens], unique)
+    return out

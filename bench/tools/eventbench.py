@@ -1,21 +1,32 @@
 """The cost of KV cache events in a batched engine step.
 
     NUMBA_NUM_THREADS=1 python bench/tools/eventbench.py [--requests 400] [--batch 64] [--profile]
+    NUMBA_NUM_THREADS=1 python bench/tools/eventbench.py --requests 1600 --against HEAD~1 [--rounds 5]
 
 Drives one manager through the batched calls (``create_kv_caches``,
 ``resume_batch``, ``resize_batch``, ``commit_batch``, ``close_batch``) with
 requests that share prefixes, in a pool small enough to evict, once with
 events off and once on (every step drains ``get_latest_events``), and prints
-the time per step of each. ``--profile`` adds cProfile's top functions of the
-run with events on.
+the time per step of each, and of ``on_records`` (the event translation)
+alone. ``--profile`` adds cProfile's top functions of the run with events on.
+
+``--against REV`` also runs the event manager of ``gpukv/events.py`` at git
+revision REV (the rest of gpukv as it is), alternating events off, REV's
+manager and this one for ``--rounds`` rounds in one process (the machine's
+load drifts; alternating spreads it over all three), prints each one's range,
+and checks that both managers emitted the same events.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import pstats
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -32,13 +43,37 @@ def workload(n: int, seed: int = 0) -> list:
             .astype(np.int32) for _ in range(n)]
 
 
-def run(prompts: list, batch: int, events: bool, decode_steps: int = 8) -> tuple:
-    """(seconds, steps, events seen) for the whole workload."""
+class _Timed:
+    """Wraps an event manager's ``on_records`` to add up the time it takes."""
+
+    def __init__(self, em):
+        self.seconds = 0.0
+        inner = em.on_records
+
+        def on_records(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        em.on_records = on_records
+
+
+def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_class=None) -> tuple:
+    """(seconds, steps, events, seconds in on_records) for the whole workload;
+    ``manager_class`` replaces the event manager (an older one)."""
     mgr = gpukv.KVCacheManager(gpukv.CacheConfig(
         tokens_per_block=T, layers=[gpukv.Attention()], pages_per_life_cycle=4000,
         max_kv_event_entries=10**6 if events else 0, backend="cpu"))
-    mgr.get_latest_events()
-    steps = seen = 0
+    if events and manager_class is not None:
+        em = mgr._events
+        swapped = manager_class(em.max_entries, em.event_hash, em.window_sizes, em._digest_of_token, em._scope_of_root)
+        swapped._pending, swapped._next_event_id = list(em._pending), em._next_event_id  # its created event
+        mgr._events = mgr._launcher.events = swapped
+    timer = _Timed(mgr._events) if events else None
+    seen = mgr.get_latest_events()
+    steps = 0
     t0 = time.perf_counter()
     for at in range(0, len(prompts), batch):
         group = prompts[at:at + batch]
@@ -49,17 +84,31 @@ def run(prompts: list, batch: int, events: bool, decode_steps: int = 8) -> tuple
         ok = mgr.resize_batch(kvs, sizes, reused)
         live = [kv for kv, good in zip(kvs, ok) if good]
         mgr.commit_batch(live, [p[r:] for p, r, good in zip(group, reused, ok) if good])
-        seen += len(mgr.get_latest_events())
+        seen += mgr.get_latest_events()
         steps += 1
         offsets = np.arange(len(live) + 1, dtype=np.int64)
         for s in range(decode_steps):
             mgr.commit_batch(live, (np.full(len(live), s, dtype=np.int32), offsets))
-            seen += len(mgr.get_latest_events())
+            seen += mgr.get_latest_events()
             steps += 1
         mgr.close_batch(kvs)
-        seen += len(mgr.get_latest_events())
+        seen += mgr.get_latest_events()
         steps += 1
-    return time.perf_counter() - t0, steps, seen
+    return time.perf_counter() - t0, steps, seen, timer.seconds if timer else 0.0
+
+
+def manager_at(rev: str):
+    """``KVCacheEventManager`` of gpukv/events.py at git revision ``rev``,
+    imported as a module of the installed gpukv package."""
+    root = Path(gpukv.__file__).resolve().parent.parent
+    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:gpukv/events.py"],
+                            check=True, capture_output=True, text=True).stdout
+    name = "gpukv._events_at_" + "".join(c if c.isalnum() else "_" for c in rev)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    module.__package__ = "gpukv"
+    sys.modules[name] = module
+    exec(compile(source, f"{rev}:gpukv/events.py", "exec"), module.__dict__)
+    return module.KVCacheEventManager
 
 
 def main() -> None:
@@ -67,12 +116,36 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--against", metavar="REV", help="alternate with the event manager of git revision REV")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the alternation (--against)")
     a = ap.parse_args()
     prompts = workload(a.requests)
     run(prompts[: a.batch], a.batch, True)  # warm up: kernel loads
+    if a.against:
+        before = manager_at(a.against)
+        variants = {"events off": (False, None), f"events on, {a.against}": (True, before), "events on, now": (True, None)}
+        per_step, in_events, streams = {k: [] for k in variants}, {k: [] for k in variants}, {}
+        for _ in range(a.rounds):
+            for label, (events, cls) in variants.items():
+                dt, steps, seen, translating = run(prompts, a.batch, events, manager_class=cls)
+                per_step[label].append(1e3 * dt / steps)
+                in_events[label].append(1e3 * translating / steps)
+                streams[label] = seen
+        for label in variants:
+            s, e = per_step[label], in_events[label]
+            line = f"{label:>{max(map(len, variants))}}: step {min(s):.2f}-{max(s):.2f} ms"
+            if variants[label][0]:
+                line += f", on_records {min(e):.2f}-{max(e):.2f} ms/step, {len(streams[label])} events"
+            print(line)
+        old, new = streams[f"events on, {a.against}"], streams["events on, now"]
+        print("same events" if old == new else f"DIFFERENT EVENTS: {len(old)} vs {len(new)}")
+        if old != new:
+            sys.exit(1)
+        return
     for events in (False, True):
-        dt, steps, seen = run(prompts, a.batch, events)
-        print(f"events {'on ' if events else 'off'}: {dt:.3f} s, {steps} steps, {1e3 * dt / steps:.2f} ms/step, {seen} events")
+        dt, steps, seen, translating = run(prompts, a.batch, events)
+        print(f"events {'on ' if events else 'off'}: {dt:.3f} s, {steps} steps, {1e3 * dt / steps:.2f} ms/step, "
+              f"{len(seen)} events" + (f", on_records {1e3 * translating / steps:.2f} ms/step" if events else ""))
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()
