@@ -57,6 +57,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -192,7 +193,6 @@ class KVCacheEventManager:
         self._scope_of: dict[bytes, ReuseScope] = {}
         # The event id at which each tree clear began, oldest first (see mark_clear).
         self._clear_marks: deque[int] = deque(maxlen=max(self.max_entries, 1))
-        self._unique_tokens = _UniqueTokens()  # shared by every stored payload
 
     # -- the manager's entry points ---------------------------------------------
     def created(self, num_blocks_per_cache_level) -> None:
@@ -224,7 +224,7 @@ class KVCacheEventManager:
         start, n = int(progress[0]), len(records)
         if start >= n:
             return
-        launch = _Launch(records[start:], log_tokens, self.event_hash, self._digest_of_token, self._unique_tokens, start)
+        launch = _Launch(records[start:], log_tokens, self.event_hash, self._digest_of_token, _UNIQUE_TOKENS, start)
         if not launch.keys:  # tree bookkeeping only: no event state to change
             progress[0] = n
             return
@@ -394,7 +394,7 @@ class KVCacheEventManager:
         covering = _covering_pages(block)
         if covering:
             self._store_block(block.key, self._hash(block.key), self._parent_hash(block), block.scope,
-                              covering, _payload(block.tokens, self._unique_tokens))
+                              covering, _payload(block.tokens, _UNIQUE_TOKENS))
             self._seal_all()
 
     def add_stored_life_cycle_event_from_block(self, block: LoggedBlock, life_cycle: int) -> None:
@@ -404,7 +404,7 @@ class KVCacheEventManager:
         covering = _covering_pages(block)
         if covering:
             self._store_life_cycle(block.key, self._hash(block.key), self._parent_hash(block), block.scope,
-                                   covering, _payload(block.tokens, self._unique_tokens), life_cycle)
+                                   covering, _payload(block.tokens, _UNIQUE_TOKENS), life_cycle)
             self._seal_all()
 
     def add_removed_event(self, keys: Iterable[bytes]) -> None:
@@ -606,11 +606,14 @@ _OTHER_TOKENS_MAX = 1 << 18
 class _UniqueTokens:
     """The UniqueToken of every distinct token, made once and shared by all
     stored payloads: a frozen dataclass per token of every stored block would
-    be most of the cost of events. Token ids in [0, _TABLE_TOKENS_MAX) are
-    kept in an object array indexed by id, so the payloads of a launch are one
-    gather (``rows``); other tokens in a dict (``of``). Filling either in is
-    safe to interrupt: an entry is made again if its mark is missing, and the
-    table grows by replacing both arrays in one store."""
+    be most of the cost of events. One per process (``_UNIQUE_TOKENS``): the
+    objects are immutable values, so every event manager may share them, and
+    a vocabulary is made once, not once per manager. Token ids in
+    [0, _TABLE_TOKENS_MAX) are kept in an object array indexed by id, so the
+    payloads of a launch are one gather (``rows``); other tokens in a dict
+    (``of``). Filling either in is safe to interrupt, and to race with another
+    thread: an entry whose mark is missing is made again (an equal object),
+    and the table grows by replacing both arrays in one store."""
 
     def __init__(self):
         self._table = (np.empty(0, dtype=object), np.zeros(0, dtype=bool))  # (tokens, made), by id
@@ -620,8 +623,9 @@ class _UniqueTokens:
         """The UniqueToken lists of the rows of ``ids`` (2-D, every id in
         [0, _TABLE_TOKENS_MAX))."""
         tokens, made = self._grown(int(ids.max()) + 1)
-        new = np.unique(ids[~made[ids]])
-        if new.size:
+        missing = ~made[ids]
+        if missing.any():
+            new = np.unique(ids[missing])
             tokens[new] = [UniqueToken(t) for t in new.tolist()]
             made[new] = True
         return tokens[ids].tolist()
@@ -650,6 +654,9 @@ class _UniqueTokens:
         return tokens, made
 
 
+_UNIQUE_TOKENS = _UniqueTokens()
+
+
 def _payload(tokens, unique: _UniqueTokens) -> tuple:
     """``(tokens, mm_keys)`` of a block's stored events from its token list
     (ints, and 32-byte digests for multimodal tokens), one token at a time:
@@ -659,13 +666,15 @@ def _payload(tokens, unique: _UniqueTokens) -> tuple:
     return unique.of(tokens), mm_keys
 
 
-# change-log kind -> what _Launch does with its record.
-_SKIP, _EVENTFUL, _INFO = 1, 2, 3
-_KIND_ROLE = np.zeros(max(EV_CREATED, EV_PAGE_INFO, EV_REMOVED, EV_REMOVED_LIFE_CYCLE, EV_ROOT_REMOVED,
-                          EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE, EV_UPDATED) + 1, dtype=np.int8)  # 0: unknown
+# change-log kind -> what _Launch does with its record; kinds past the table,
+# and kind 0, are unknown.
+_UNKNOWN, _SKIP, _INFO, _EVENT, _HEADER = range(5)
+_KIND_ROLE = np.full(max(EV_CREATED, EV_PAGE_INFO, EV_REMOVED, EV_REMOVED_LIFE_CYCLE, EV_ROOT_REMOVED,
+                         EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE, EV_UPDATED) + 2, _UNKNOWN, dtype=np.int8)
 _KIND_ROLE[[EV_CREATED, EV_ROOT_REMOVED]] = _SKIP  # tree bookkeeping
-_KIND_ROLE[[EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE, EV_REMOVED, EV_REMOVED_LIFE_CYCLE, EV_UPDATED]] = _EVENTFUL
 _KIND_ROLE[EV_PAGE_INFO] = _INFO
+_KIND_ROLE[[EV_REMOVED, EV_REMOVED_LIFE_CYCLE, EV_UPDATED]] = _EVENT
+_KIND_ROLE[[EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE]] = _HEADER
 
 
 class _Launch:
@@ -684,23 +693,23 @@ class _Launch:
                  digest_of_token: Callable[[int], bytes], unique: _UniqueTokens, first: int = 0):
         records = records.reshape(-1, LOG.width)
         kinds = records[:, LOG_KIND]
-        known = (kinds >= 0) & (kinds < len(_KIND_ROLE))
-        role = np.where(known, _KIND_ROLE[np.where(known, kinds, 0)], 0)
+        role = _KIND_ROLE.take(kinds, mode="clip")
         is_info = role == _INFO
-        # The record each page info belongs to: the last record before it that is no page info.
+        # The record each page info belongs to: the last record before it that
+        # is no page info (-1 before the first, which reads the role of the
+        # last record: an unknown kind or a page info, both rejected).
         owner = np.maximum.accumulate(np.where(is_info, -1, np.arange(len(kinds))))
-        is_header = (kinds == EV_STORED_BLOCK) | (kinds == EV_STORED_LIFE_CYCLE)
-        bad = np.flatnonzero((role == 0) | is_info & ((owner < 0) | ~is_header[np.maximum(owner, 0)]))
+        bad = np.flatnonzero((role == _UNKNOWN) | is_info & (role[owner] != _HEADER))
         if bad.size:
             i = int(bad[0])
-            if role[i] == 0:
+            if role[i] == _UNKNOWN:
                 raise ValueError(f"log record {first + i}: unknown kind {int(kinds[i])}")
             raise ValueError(f"log record {first + i}: a page info record without a stored header")
 
-        rows = records[role == _EVENTFUL]
+        rows = records[role >= _EVENT]
         self.fields = rows[:, [LOG_KIND, LOG_LIFE_CYCLE, LOG_OLD_LEVEL, LOG_LEVEL]].tolist()
         self.keys = _keys(rows, LOG_DIGEST)
-        headers = np.flatnonzero(is_header)
+        headers = np.flatnonzero(role == _HEADER)
         if not headers.size:
             self._headers = ()
             return
@@ -712,9 +721,10 @@ class _Launch:
         hi = np.searchsorted(owner[covers], headers, "right")
         covering = [pages[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
         payloads = _payloads(h, np.flatnonzero(hi > lo), log_tokens, digest_of_token, unique)
-        self._headers = (_hashes(h, LOG_DIGEST, event_hash), _keys(h, LOG_PARENT_DIGEST),
-                         _hashes(h, LOG_PARENT_DIGEST, event_hash), h[:, LOG_PARENT_IS_ROOT].tolist(),
-                         covering, payloads)
+        keys, parent_keys = _keys(h, LOG_DIGEST), _keys(h, LOG_PARENT_DIGEST)
+        self._headers = (_hashes(h, LOG_DIGEST, event_hash, keys), parent_keys,
+                         _hashes(h, LOG_PARENT_DIGEST, event_hash, parent_keys),
+                         h[:, LOG_PARENT_IS_ROOT].tolist(), covering, payloads)
 
     def headers(self):
         """``(block hash, parent key, parent hash, parent is a root, covering
@@ -728,11 +738,12 @@ def _keys(rows: np.ndarray, col: int) -> list:
     return np.ascontiguousarray(rows[:, col : col + 4], dtype="<i8").view("V32").ravel().tolist()
 
 
-def _hashes(rows: np.ndarray, col: int, event_hash: str) -> list:
-    """``event_block_hash`` of the digests at ``col`` of ``rows``, all at once."""
+def _hashes(rows: np.ndarray, col: int, event_hash: str, keys: list) -> list:
+    """``event_block_hash`` of the digests at ``col`` of ``rows`` (``keys``:
+    the same as bytes), all at once."""
     if event_hash == "sha256_64":  # the first 8 bytes, big-endian unsigned
         return np.ascontiguousarray(rows[:, col], dtype="<i8").view(">u8").tolist()
-    return list(map(bytes.hex, _keys(rows, col)))
+    return list(map(bytes.hex, keys))
 
 
 def _payloads(headers: np.ndarray, wanted: np.ndarray, log_tokens: np.ndarray, digest_of_token,
@@ -741,20 +752,24 @@ def _payloads(headers: np.ndarray, wanted: np.ndarray, log_tokens: np.ndarray, d
     covering page: the others announce nothing, and get None): the rows of
     plain token ids in one gather, the multimodal ones (negative ids stand
     for interned digests) and any other token by token."""
-    out = [None] * len(headers)
     if not wanted.size:
-        return out
+        return [None] * len(headers)
     rows = np.asarray(log_tokens)[headers[wanted, LOG_TOKENS_AT]]
     counts = headers[wanted, LOG_NUM_TOKENS]
-    # The tokens past a block's count are not its own: read as 0.
-    ids = np.where(np.arange(rows.shape[1]) < counts[:, None], rows, 0)
-    plain = ((ids >= 0) & (ids < _TABLE_TOKENS_MAX)).all(axis=1)
+    width = rows.shape[1]
+    full = int(counts.min()) >= width
+    if not full:  # the tokens past a block's count are not its own: read as 0
+        rows = np.where(np.arange(width) < counts[:, None], rows, 0)
+    plain = ((rows >= 0) & (rows < _TABLE_TOKENS_MAX)).all(axis=1)
+    if full and len(wanted) == len(headers) and plain.all():  # the usual launch: one gather, nothing to cut
+        return list(zip(map(tuple, unique.rows(rows)), repeat(())))
+    out = [None] * len(headers)
     if plain.any():
-        for j, row, n in zip(wanted[plain].tolist(), unique.rows(ids[plain]), counts[plain].tolist()):
+        for j, row, n in zip(wanted[plain].tolist(), unique.rows(rows[plain]), counts[plain].tolist()):
             out[j] = (tuple(row[:n]), ())
     if not plain.all():
         digests: dict[int, bytes] = {}  # negative token id -> digest, once per launch
-        for j, row, n in zip(wanted[~plain].tolist(), ids[~plain].tolist(), counts[~plain].tolist()):
+        for j, row, n in zip(wanted[~plain].tolist(), rows[~plain].tolist(), counts[~plain].tolist()):
             tokens = row[:n]
             for t in tokens:
                 if t < 0 and t not in digests:

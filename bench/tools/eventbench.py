@@ -14,7 +14,7 @@ alone. ``--profile`` adds cProfile's top functions of the run with events on.
 revision REV (the rest of gpukv as it is), alternating events off, REV's
 manager and this one for ``--rounds`` rounds in one process (the machine's
 load drifts; alternating spreads it over all three), prints each one's range,
-and checks that both managers emitted the same events.
+and checks, in one more run of each, that both managers emit the same events.
 """
 
 from __future__ import annotations
@@ -60,9 +60,12 @@ class _Timed:
         em.on_records = on_records
 
 
-def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_class=None) -> tuple:
-    """(seconds, steps, events, seconds in on_records) for the whole workload;
-    ``manager_class`` replaces the event manager (an older one)."""
+def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_class=None, keep=False) -> tuple:
+    """(seconds, steps, events, seconds in on_records) for the whole workload:
+    the events themselves with ``keep``, else their count (holding every
+    event would make the garbage collector's passes, and so the step, slower
+    than an engine that publishes and drops them). ``manager_class``
+    replaces the event manager (an older one)."""
     mgr = gpukv.KVCacheManager(gpukv.CacheConfig(
         tokens_per_block=T, layers=[gpukv.Attention()], pages_per_life_cycle=4000,
         max_kv_event_entries=10**6 if events else 0, backend="cpu"))
@@ -72,7 +75,16 @@ def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_
         swapped._pending, swapped._next_event_id = list(em._pending), em._next_event_id  # its created event
         mgr._events = mgr._launcher.events = swapped
     timer = _Timed(mgr._events) if events else None
-    seen = mgr.get_latest_events()
+    kept, seen = [], 0
+
+    def drain():
+        nonlocal seen
+        got = mgr.get_latest_events()
+        seen += len(got)
+        if keep:
+            kept.extend(got)
+
+    drain()
     steps = 0
     t0 = time.perf_counter()
     for at in range(0, len(prompts), batch):
@@ -84,17 +96,17 @@ def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_
         ok = mgr.resize_batch(kvs, sizes, reused)
         live = [kv for kv, good in zip(kvs, ok) if good]
         mgr.commit_batch(live, [p[r:] for p, r, good in zip(group, reused, ok) if good])
-        seen += mgr.get_latest_events()
+        drain()
         steps += 1
         offsets = np.arange(len(live) + 1, dtype=np.int64)
         for s in range(decode_steps):
             mgr.commit_batch(live, (np.full(len(live), s, dtype=np.int32), offsets))
-            seen += mgr.get_latest_events()
+            drain()
             steps += 1
         mgr.close_batch(kvs)
-        seen += mgr.get_latest_events()
+        drain()
         steps += 1
-    return time.perf_counter() - t0, steps, seen, timer.seconds if timer else 0.0
+    return time.perf_counter() - t0, steps, kept if keep else seen, timer.seconds if timer else 0.0
 
 
 def manager_at(rev: str):
@@ -124,20 +136,19 @@ def main() -> None:
     if a.against:
         before = manager_at(a.against)
         variants = {"events off": (False, None), f"events on, {a.against}": (True, before), "events on, now": (True, None)}
-        per_step, in_events, streams = {k: [] for k in variants}, {k: [] for k in variants}, {}
+        per_step, in_events, counts = {k: [] for k in variants}, {k: [] for k in variants}, {}
         for _ in range(a.rounds):
             for label, (events, cls) in variants.items():
-                dt, steps, seen, translating = run(prompts, a.batch, events, manager_class=cls)
+                dt, steps, counts[label], translating = run(prompts, a.batch, events, manager_class=cls)
                 per_step[label].append(1e3 * dt / steps)
                 in_events[label].append(1e3 * translating / steps)
-                streams[label] = seen
         for label in variants:
             s, e = per_step[label], in_events[label]
             line = f"{label:>{max(map(len, variants))}}: step {min(s):.2f}-{max(s):.2f} ms"
             if variants[label][0]:
-                line += f", on_records {min(e):.2f}-{max(e):.2f} ms/step, {len(streams[label])} events"
+                line += f", on_records {min(e):.2f}-{max(e):.2f} ms/step, {counts[label]} events"
             print(line)
-        old, new = streams[f"events on, {a.against}"], streams["events on, now"]
+        old, new = (run(prompts, a.batch, True, manager_class=cls, keep=True)[2] for cls in (before, None))
         print("same events" if old == new else f"DIFFERENT EVENTS: {len(old)} vs {len(new)}")
         if old != new:
             sys.exit(1)
@@ -145,7 +156,7 @@ def main() -> None:
     for events in (False, True):
         dt, steps, seen, translating = run(prompts, a.batch, events)
         print(f"events {'on ' if events else 'off'}: {dt:.3f} s, {steps} steps, {1e3 * dt / steps:.2f} ms/step, "
-              f"{len(seen)} events" + (f", on_records {1e3 * translating / steps:.2f} ms/step" if events else ""))
+              f"{seen} events" + (f", on_records {1e3 * translating / steps:.2f} ms/step" if events else ""))
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()
