@@ -17,7 +17,9 @@ import logging
 from .arena import TokenSequence
 from .cache import KVCache, KVCacheStatus
 from .core.config import Attention, CacheConfig, Ssm, SwaScratchReuse
-from .core.errors import BackendError, BusyError, ConfigError, IndexFullError, LogicError, TokenError, TreeError
+from .core.errors import (
+    BackendError, BusyError, ConfigError, IndexFullError, LogicError, StaleMatchError, TokenError, TreeError,
+)
 from .event_types import (
     KVCacheCreatedData,
     KVCacheEvent,
@@ -59,6 +61,7 @@ __all__ = [
     "PageCopies",
     "ReuseScope",
     "Ssm",
+    "StaleMatchError",
     "SwaScratchReuse",
     "TokenError",
     "TokenSequence",

@@ -48,9 +48,9 @@ import numpy as np
 
 from .arena import TokenSequence
 from .cache import KVCache
-from .cache_pool import is_batch, ranges
+from .cache_pool import is_batch, ranges, with_room
 from .core.config import DEFAULT_PRIORITY, check_priority
-from .core.errors import BusyError, LogicError
+from .core.errors import BusyError, LogicError, StaleMatchError
 from .core.layout import (
     ACTIVE,
     CLOSED,
@@ -62,10 +62,12 @@ from .core.layout import (
     Q_NUM_BLOCKS,
     Q_RESULT,
     Q_STATUS,
+    SEQ_ADMIT,
     SEQ_CLOSE,
     SEQ_COMMIT,
     SEQ_RESIZE,
     SEQ_RESUME,
+    SEQ_SETUP_MATCHED,
     SEQ_SETUP_REUSE,
     SEQ_STOP,
     SEQ_SUSPEND,
@@ -74,6 +76,7 @@ from .core.layout import (
 )
 from .core.scope import ReuseScope, as_scope
 from .kernels.sha256 import digest_to_int64x4
+from .matching import BatchMatch
 from .table_sizes import (
     COPY_SLACK,
     LOG_MIN_ROWS,
@@ -228,6 +231,16 @@ class Entries:
         return f"caches[{i}]: "
 
 
+class Admissions(Entries):
+    """``admit_batch``'s errors: each names the admission (its index in the
+    call's capacities and entries)."""
+
+    __slots__ = ()
+
+    def where(self, i: int) -> str:
+        return f"admission {i}: "
+
+
 _RESUME = OneCache("resume()")
 _SUSPEND = OneCache("suspend()")
 _RESIZE = OneCache("resize()")
@@ -326,15 +339,7 @@ class CacheCalls:
         if not (_entries(requests) or isinstance(requests, np.ndarray) and requests.ndim == 2):
             raise TypeError(f"{what}: requests must be a list of token sequences, got {type(requests).__name__}")
         n = len(requests)
-        if priority_callbacks is not None and not _entries(priority_callbacks):
-            raise TypeError(f"{what}: priority_callbacks must be None or one callable (or None) per request (a list), "
-                            f"got {priority_callbacks!r}")
-        callbacks = [None] * n if priority_callbacks is None else list(priority_callbacks)
-        if len(callbacks) != n:
-            raise ValueError(f"{what}: priority_callbacks has {len(callbacks)} entries for {n} requests")
-        for i, cb in enumerate(callbacks):
-            if cb is not None and not callable(cb):
-                raise TypeError(f"{what}: priority_callbacks[{i}] must be callable(ordinal, life_cycle_id) -> int, got {cb!r}")
+        callbacks = self._callbacks(priority_callbacks, n, what)
         scope_list = self._scope_list(scopes, n, what)
         b = self.backend
         queries, arrays = [], []
@@ -349,6 +354,72 @@ class CacheCalls:
                 queries.append(ValidTokens(a))
         return self._create(queries, arrays, as_scope(scopes) if _one_scope(scopes) else scope_list, scope_list,
                             callbacks, made)
+
+    def admit(self, match, capacities, entries, priority_callbacks, made: list) -> np.ndarray:
+        """New caches for requests of ``match`` (``entries``: which, None: all),
+        each set up on what the match found, resumed and resized to
+        ``capacities[i]`` in one launch; one bool per cache, False where it
+        was left SUSPENDED (pages short). ``made`` as ``_create`` takes it."""
+        what = "admit_batch()"
+        naming = Admissions(what)
+        stamp = match.stamp if isinstance(match, BatchMatch) else None
+        if stamp is None:
+            raise TypeError(f"{what}: match must be what match_batch() returned, got {type(match).__name__}")
+        if stamp.launcher is not self.launcher:
+            raise ValueError(f"{what}: match was made by another manager")
+        if stamp.removals != self.launcher.removals:
+            raise StaleMatchError(
+                f"{what}: blocks or pages left the tree since this match was made (a call in between evicted or "
+                "removed them), so its rows may no longer hold what it found: match again"
+            )
+        B = len(match)
+        if entries is None:
+            idx = np.arange(B, dtype=np.int64)
+        else:
+            if not _entries(entries):
+                raise TypeError(f"{what}: entries must be None or a list of the match's request indices, "
+                                f"got {type(entries).__name__}")
+            idx = self.ints(entries, len(entries), "entries", what)
+            naming.check(idx >= B, ValueError, "entries names request {} of a match of {}", idx, B)
+        n = len(idx)
+        cap = self.ints(capacities, n, "capacities", what)
+        callbacks = self._callbacks(priority_callbacks, n, what)
+        if not n:
+            return np.zeros(0, dtype=bool)
+        m = match if isinstance(match.num_tokens, np.ndarray) else match.to_host()
+        matched = np.asarray(m.num_tokens, dtype=np.int64)[idx]
+        offsets = np.asarray(m.block_offsets, dtype=np.int64)
+        nblocks = offsets[idx + 1] - offsets[idx]
+        naming.check(cap < matched, ValueError, "capacity {} is below the {} tokens it reuses", cap, matched)
+        blocks = -(-cap // self.T)
+        # Sizes no pool could ever give are refused before the launch: those
+        # caches are only set up (capacity -1), as a refused resize leaves them.
+        sized = pools_can_hold(self.pool.hold_rules, self.T, nblocks, blocks, matched) & (blocks <= self.pool.max_blocks)
+        rows = np.maximum(nblocks, blocks)
+        scopes = stamp.scopes
+        scope_list = [as_scope(scopes)] * B if _one_scope(scopes) else scopes
+        taken = []
+        try:
+            slots = self._new_caches([scope_list[i] for i in idx.tolist()], with_room(rows), callbacks, made, taken)
+            # Every cache holds its prefix before any allocates: an eviction
+            # for one cannot take a block another's match found.
+            go = np.flatnonzero(nblocks > 0)
+            if go.size:
+                self._launch(None, slots[go], SEQ_SETUP_MATCHED, (matched[go], nblocks[go]), span=nblocks[go],
+                             path=np.asarray(m.block_ids, dtype=np.int64)[ranges(offsets[idx[go]], nblocks[go])],
+                             path_off=_offsets(nblocks[go]))
+            k = self.pool.scratch_width
+            self._launch(naming, slots, SEQ_ADMIT, (np.where(sized, cap, -1),), priorities=rows, span=rows,
+                         allocated=rows + k + 3)  # a resume's (hit pages back, its copies) and a resize's
+            ok = self.pool.host_scalars[slots, Q_RESULT] != 0
+            refused = np.flatnonzero(~ok)
+            if refused.size:  # a cache left SUSPENDED keeps no room it could not use
+                self.pool.trim(slots[refused], nblocks[refused])
+            self._record_lookups(np.asarray(m.num_lookup_tokens, dtype=np.int64)[idx], matched)
+            return ok
+        except BaseException:
+            self._undo_create(made, taken)
+            raise
 
     def resume(self, caches) -> np.ndarray:
         naming = Entries("resume_batch()")
@@ -409,33 +480,15 @@ class CacheCalls:
         n = len(callbacks)
         if not n:
             return []
-        tree = self.tree
         matched = nblocks = np.zeros(n, dtype=np.int64)
         if queries is not None:
             m = self.matcher.match(queries, match_scopes).to_host()
             matched = np.asarray(m.num_tokens, dtype=np.int64)
             nblocks = np.diff(np.asarray(m.block_offsets, dtype=np.int64))
-        sids = np.empty(n, dtype=np.int64)
-        keys = np.empty(n, dtype=np.int64)
-        digests = np.empty((n, 4), dtype=np.int64)
-        known = {}
-        for i, s in enumerate(scope_list):  # the distinct scopes, once each
-            k = id(s)
-            if k not in known:
-                sid = tree.scope_id(s, create=True)
-                known[k] = (sid, tree.scope_key(sid), digest_to_int64x4(tree.scope_digest(sid)))
-            sids[i], keys[i], digests[i] = known[k]
-        # From the slots' allocation to the return, an exception (an
-        # interrupt included) means the caller never gets these caches: they
-        # must not stay open, holding their reused pages and keeping
-        # shutdown() refused, nor their slots stay taken.
         taken = []
         try:
             # Segments with room for the matched blocks, which reuse setup writes.
-            slots = self.pool.allocate(n, sids, keys, digests, nblocks, callbacks, taken)
-            for s in slots.tolist():
-                made.append(KVCache(self.ctx, self, s))
-            self.open_caches.update(made)
+            slots = self._new_caches(scope_list, nblocks, callbacks, made, taken)
             go = np.flatnonzero(matched > 0)
             if go.size == 1:
                 i = int(go[0])
@@ -449,18 +502,52 @@ class CacheCalls:
                 self._launch(None, slots[go], SEQ_SETUP_REUSE, (matched[go], nblocks[go]), span=nblocks[go],
                              tokens=flat, tokens_off=_offsets(matched[go]), path=path, path_off=_offsets(nblocks[go]))
             if queries is not None:
-                stats = self._stats()
-                has_ssm = self.config.ssm_life_cycle_id is not None
-                for a, reused in zip(arrays, matched.tolist()):
-                    stats.record(len(a), reused, self.T, has_ssm)
+                self._record_lookups(np.fromiter(map(len, arrays), dtype=np.int64, count=n), matched)
             return made
         except BaseException:
-            try:
-                self.close(made)
-            except BaseException:
-                pass  # the first exception is the one to report
-            self.pool.give_back(taken, made)
+            self._undo_create(made, taken)
             raise
+
+    def _new_caches(self, scope_list, blocks, callbacks, made: list, taken: list) -> np.ndarray:
+        """Slots for new SUSPENDED caches in the scopes of ``scope_list``, with
+        room for ``blocks`` blocks each: their KVCaches appended to ``made``
+        (and open), the slots' record to ``taken`` (``CachePool.allocate``).
+        From here to the creating call's return, an exception (an interrupt
+        included) means the caller never gets these caches: ``_undo_create``."""
+        n = len(callbacks)
+        tree = self.tree
+        sids = np.empty(n, dtype=np.int64)
+        keys = np.empty(n, dtype=np.int64)
+        digests = np.empty((n, 4), dtype=np.int64)
+        known = {}
+        for i, s in enumerate(scope_list):  # the distinct scopes, once each
+            k = id(s)
+            if k not in known:
+                sid = tree.scope_id(s, create=True)
+                known[k] = (sid, tree.scope_key(sid), digest_to_int64x4(tree.scope_digest(sid)))
+            sids[i], keys[i], digests[i] = known[k]
+        slots = self.pool.allocate(n, sids, keys, digests, blocks, callbacks, taken)
+        for s in slots.tolist():
+            made.append(KVCache(self.ctx, self, s))
+        self.open_caches.update(made)
+        return slots
+
+    def _undo_create(self, made: list, taken: list) -> None:
+        """A creating call failed after ``_new_caches``: its caches must not
+        stay open, holding their reused pages and keeping shutdown() refused,
+        nor their slots stay taken."""
+        try:
+            self.close(made)
+        except BaseException:
+            pass  # the first exception is the one to report
+        self.pool.give_back(taken, made)
+
+    def _record_lookups(self, looked_up: np.ndarray, reused: np.ndarray) -> None:
+        """The reuse statistics of the lookups a creating call made."""
+        stats = self._stats()
+        has_ssm = self.config.ssm_life_cycle_id is not None
+        for a, r in zip(looked_up.tolist(), reused.tolist()):
+            stats.record(a, r, self.T, has_ssm)
 
     def _resume(self, naming, slots):
         (nb,) = self._scalars(slots, Q_NUM_BLOCKS)
@@ -784,6 +871,22 @@ class CacheCalls:
         flat, offsets = flatten(tokens, t.intern_digest if intern else t.lookup_digest)
         has_digests = not intern and _holds_digests(flat)
         return flat, offsets, tokens if has_digests else None
+
+    @staticmethod
+    def _callbacks(priority_callbacks, n: int, what: str) -> list:
+        """One priority callback (or None) per request."""
+        if priority_callbacks is None:
+            return [None] * n
+        if not _entries(priority_callbacks):
+            raise TypeError(f"{what}: priority_callbacks must be None or one callable (or None) per request (a list), "
+                            f"got {priority_callbacks!r}")
+        callbacks = list(priority_callbacks)
+        if len(callbacks) != n:
+            raise ValueError(f"{what}: priority_callbacks has {len(callbacks)} entries for {n} requests")
+        for i, cb in enumerate(callbacks):
+            if cb is not None and not callable(cb):
+                raise TypeError(f"{what}: priority_callbacks[{i}] must be callable(ordinal, life_cycle_id) -> int, got {cb!r}")
+        return callbacks
 
     @staticmethod
     def _scope_list(scopes, n: int, what: str) -> list:

@@ -75,6 +75,13 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + shift
 
 
+def with_room(blocks):
+    """The rows of a segment sized for ``blocks`` blocks: half as much again,
+    so that a cache just sized to its prompt then decodes for a while
+    without moving."""
+    return blocks + blocks // 2
+
+
 def hold_rules(config) -> tuple:
     """``(window, sink blocks, GPU pool pages)`` of each life cycle whose new
     blocks need pages of their own while a cache is ACTIVE (``window`` 0 for
@@ -291,9 +298,8 @@ class CachePool:
         if not short.any():
             return
         grow, want = slots[short], blocks[short]
-        # Half as much again as asked, and at least double: a cache that was
-        # just sized to its prompt then decodes for a while without moving.
-        size = np.maximum(want + want // 2, 2 * self.seg[grow, 1])
+        # At least double: a segment that keeps growing moves a few times.
+        size = np.maximum(with_room(want), 2 * self.seg[grow, 1])
         # The segment that ends at the top grows where it is (no copy) while
         # the pool has the rows: a cache prefilled chunk by chunk right after
         # it was created.

@@ -51,11 +51,13 @@ import numpy as np
 from . import kernel_cache
 from .core.errors import BusyError, TreeError
 from .core.layout import (
+    CNT_DETACHES,
     CNT_ERROR,
     CNT_LOG_LEN,
     CNT_LOG_TOKENS_LEN,
     CNT_NUM_COPIES,
     CNT_RETIRED,
+    CNT_UNLINKS,
     ERR_NONE,
     EV_REMOVED,
     EV_ROOT_REMOVED,
@@ -234,6 +236,10 @@ class Launcher:
         self.guard = CallGuard(self)
         self.pending = False  # a launch whose aftermath is not finished
         self.launches = 0  # kernels run that may have changed the tables (host copies key on it)
+        # Blocks detached and pages unlinked so far, as of the last settled
+        # launch: a match's block rows still hold what it found while this
+        # stays the same (blocks and pages added since only lengthen a match).
+        self.removals = 0
         self._results = None  # the pending launch's results step
         self._log_fed = np.zeros(1, dtype=np.int64)  # records the event manager consumed
         # The pending launch's records, token rows, freed rows and where its
@@ -272,6 +278,7 @@ class Launcher:
             self._results()
         t = self.tables
         counters = t.counters_host()
+        self.removals = int(counters[CNT_DETACHES]) + int(counters[CNT_UNLINKS])
         n = int(counters[CNT_NUM_COPIES])
         if n:
             copies = t.read_copies(n)

@@ -185,6 +185,37 @@ class KVCacheManager:
             self._close_unreturned("mgr.create_kv_caches()", made)
             raise
 
+    def admit_batch(self, match, capacities, entries=None, priority_callbacks=None) -> tuple:
+        """``(caches, ok)``: requests of an earlier ``match_batch`` as new
+        caches, each holding what the match found for it, resumed and resized
+        to ``capacities[i]``, in two launches and no second match: what
+        ``create_kv_caches`` of the same requests does, then per cache in
+        order ``kv.resume() and kv.resize(capacities[i])``. ``entries``:
+        which of the match's requests, in order (None: all; one may come
+        twice); ``priority_callbacks`` as for ``create_kv_caches``.
+        ``ok[i]`` False: pages were short, and cache ``i`` is SUSPENDED (its
+        resume was refused) or ACTIVE at its reused length (its resize was).
+
+        The match must be current: a call that removed blocks or pages from
+        the tree since it was made (an eviction, a close that freed a block)
+        makes it stale, and the call raises ``StaleMatchError``, changing
+        nothing (``is_current`` tells ahead). Blocks added since do not: the
+        prefix the match found is still there."""
+        made = []  # closed again if the call raises after making them (_close_unreturned)
+        try:
+            ok = self._launcher.guard.run("mgr.admit_batch()", self._calls.admit,
+                                          (match, capacities, entries, priority_callbacks, made), {})
+            return made, ok
+        except BaseException:
+            self._close_unreturned("mgr.admit_batch()", made)
+            raise
+
+    def is_current(self, match) -> bool:
+        """Whether ``admit_batch`` takes ``match`` (a ``match_batch`` result of
+        this manager, with nothing removed from the tree since)."""
+        stamp = getattr(match, "stamp", None)
+        return stamp is not None and stamp.launcher is self._launcher and stamp.removals == self._launcher.removals
+
     def _close_unreturned(self, what: str, made: list):
         """The caches a creating call made, closed again: it raised after
         making them (an interrupt included, on the call guard's way out too),

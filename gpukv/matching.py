@@ -9,7 +9,7 @@ the three can never disagree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -32,6 +32,17 @@ from .tokens import ValidTokens, check_flat, flatten, token_error
 from .tree import BlockTree
 
 
+@dataclass(frozen=True)
+class MatchStamp:
+    """Which manager made a match, and when: ``admit_batch`` takes the match
+    while ``removals`` is still its launcher's (``Launcher.removals``)."""
+
+    launcher: object
+    removals: int
+    scope_ids: np.ndarray  # per request, on the host; -1: a scope no root was made for yet
+    scopes: object  # as the match got them: None, one ReuseScope, or one per request
+
+
 @dataclass
 class BatchMatch:
     """Per-request reuse results; arrays live on the backend's device.
@@ -45,6 +56,7 @@ class BatchMatch:
     num_tokens_before_hybrid_pruning: object
     block_offsets: object
     block_ids: object
+    stamp: MatchStamp | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.num_tokens.shape[0])
@@ -53,7 +65,8 @@ class BatchMatch:
         def host(a):
             return a if isinstance(a, np.ndarray) else a.get()
 
-        return BatchMatch(*(host(getattr(self, f.name)) for f in fields(self)))
+        arrays = (host(getattr(self, f.name)) for f in fields(self) if f.name != "stamp")
+        return BatchMatch(*arrays, stamp=self.stamp)
 
     def blocks(self, i: int):
         """The matched block rows of request ``i``."""
@@ -238,4 +251,6 @@ class Matcher:
             num_tokens_before_hybrid_pruning=res[:, RES_BEFORE_HYBRID_PRUNING],
             block_offsets=block_offsets,
             block_ids=block_ids,
+            stamp=MatchStamp(self.launcher, self.launcher.removals, scope_ids,
+                             scopes if scopes is None or isinstance(scopes, ReuseScope) else tuple(scopes)),
         )

@@ -65,6 +65,8 @@ class BatchLockstep(Lockstep):
         else:  # registered sequences, as a scheduler keeps its waiting queue
             requests = [self.mgr.token_sequence(lookup) for _, _, lookup in prompts]
         scopes = [SCOPES[s] for s, _, _ in prompts]
+        if self.rng.random() < 0.4:
+            return self.admit_matched(prompts, requests, scopes)
         gs = self.mgr.create_kv_caches(requests, scopes=scopes)
         turns = []
         for (scope, prompt, lookup), g in zip(prompts, gs):
@@ -84,6 +86,47 @@ class BatchLockstep(Lockstep):
             assert got == want == self.twins[id(t)].resume(), f"resume: batched {got}, oracle {want}"
         self.close([t for t, good in zip(turns, ok.tolist()) if not good])
         return [t for t, good in zip(turns, ok.tolist()) if good]
+
+    def admit_matched(self, prompts, requests, scopes) -> list:
+        """The admission through ``match_batch`` + ``admit_batch``, sized for a
+        first prefill chunk; the match may hold a request that is not
+        admitted, and the admissions may come in another order."""
+        rng = self.rng
+        k = len(prompts)
+        if rng.random() < 0.5:  # a waiting request the step does not admit
+            scope, other = self.new_prompt()
+            requests = requests + [other if type(requests[0]) is not gpukv.TokenSequence
+                                   else self.mgr.token_sequence(other)]
+            scopes = scopes + [SCOPES[scope]]
+        m = self.mgr.match_batch(requests, scopes=scopes)
+        order = list(range(k))
+        rng.shuffle(order)
+        reused = m.to_host().num_tokens.tolist()
+        caps = [rng.randint(reused[i], len(prompts[i][1])) for i in order]
+        entries = None if order == list(range(len(requests))) else order
+        gs, ok = self.mgr.admit_batch(m, caps, entries=entries)
+        assert ok.dtype == bool and ok.shape == (k,) and len(gs) == k
+        made = []
+        for i, g in zip(order, gs):
+            scope, prompt, lookup = prompts[i]
+            o = self.o.create_kv_cache(input_tokens=lookup, scope=ORACLE_SCOPES[scope])
+            w = self.twin.create_kv_cache(input_tokens=lookup, scope=SCOPES[scope])
+            assert g.num_committed_tokens == o.num_committed_tokens == w.num_committed_tokens == reused[i], "reused lengths"
+            assert list(g.committed_tokens) == list(lookup[:reused[i]]), "committed tokens"
+            t = Turn(o, g, scope, lookup[: o.num_committed_tokens])
+            t.prompt = prompt
+            self.twins[id(t)] = w
+            self.open.append(t)
+            made.append(t)
+            self.count("reused_tokens", o.num_committed_tokens)
+        for t, cap, got in zip(made, caps, ok.tolist()):
+            w = self.twins[id(t)]
+            want = t.o.resume() and t.o.resize(cap, t.o.history_length)
+            assert got == want == (w.resume() and w.resize(cap, w.history_length)), f"admission: {got}, oracle {want}"
+            self.count("admitted_matched" if got else "admission_refused")
+        self.compare_all()
+        self.close([t for t, good in zip(made, ok.tolist()) if not good])
+        return [t for t, good in zip(made, ok.tolist()) if good]
 
     def resize(self, turns, caps, hists) -> np.ndarray:
         before = {id(t): self.cache_state(t) for t in turns}
@@ -205,6 +248,7 @@ class BatchLockstep(Lockstep):
 def test_batched_calls_equal_the_per_cache_calls(config):
     stats = BatchLockstep(random.Random(0), config).run_steps(40)
     assert stats.get("commits", 0) > 20 and stats.get("reused_tokens", 0) > 0, stats
+    assert stats.get("admitted_matched", 0) > 0, stats
 
 
 @pytest.mark.parametrize("pool", [PRESSURE_POOL, TIGHT_POOL])

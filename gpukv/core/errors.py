@@ -31,6 +31,12 @@ class BusyError(LogicError):
     and its sequences are driven from one thread, one call at a time)."""
 
 
+class StaleMatchError(LogicError):
+    """``admit_batch`` got a match older than a removal from the tree (an
+    eviction, a freed block): its rows may no longer hold what it found, so
+    the call is refused before it changes anything; match again."""
+
+
 class IndexFullError(RuntimeError):
     """A call needs more block rows than ``CacheConfig.max_blocks``
     preallocated. The call is refused before it changes anything."""

@@ -166,6 +166,7 @@ COUNTERS = Layout(
         ("dropped", 1),  # pages dropped from their last cache level (they died)
         ("evict_first", 1),  # evict-first pushes so far (they take ticks below zero)
         ("retired", 1),  # entries of the retired-row list of the current launch (below)
+        ("unlinks", 1),  # pages severed from their blocks so far: with detaches, what ages a match (Launcher.removals)
     ],
 )
 # Block rows a launch detaches or frees are retired, not reused in that launch:
@@ -335,6 +336,8 @@ SETUP_ARGS = Layout("setup_args", np.int64, [("num_tokens", 1), ("num_blocks", 1
 RESIZE_ARGS = Layout("resize_args", np.int64, [("capacity", 1), ("history", 1)])
 COMMIT_ARGS = Layout("commit_args", np.int64, [("first", 1), ("count", 1), ("is_end", 1)])
 CLOSE_ARGS = Layout("close_args", np.int64, [("evict_first", 1)])
+# A capacity below zero: resume only (the host refused the sizing).
+ADMIT_ARGS = Layout("admit_args", np.int64, [("capacity", 1)])
 
 
 def slot_row(block, life_cycle, num_life_cycles):
@@ -350,7 +353,7 @@ NUM_PRIORITIES = PRIORITY_MAX - PRIORITY_MIN + 1  # one eviction list per priori
 SHA256_WORK_WORDS = 24  # SHA-256 scratch per digest: 8 state words + 16 message/schedule words
 
 # The sequence kernels' operations (kernels/seq.py). The sizing kernel runs
-# the first four (what pages a cache holds), the commit kernel the other
+# the first six (what pages a cache holds), the commit kernel the other
 # three (what the tree gets); a launch runs one of them, and no call needs
 # both. Two kernels, not one, because a cold compile of each is about half
 # as long, and both compile at once.
@@ -358,9 +361,11 @@ SEQ_SETUP_REUSE = 1  # SETUP_ARGS: matched tokens N, blocks in Q.path[:count]
 SEQ_RESUME = 2
 SEQ_SUSPEND = 3
 SEQ_RESIZE = 4  # RESIZE_ARGS
-SEQ_COMMIT = 5  # COMMIT_ARGS
-SEQ_STOP = 6
-SEQ_CLOSE = 7  # CLOSE_ARGS
+SEQ_SETUP_MATCHED = 5  # SETUP_ARGS: SEQ_SETUP_REUSE with the matched blocks' own tokens
+SEQ_ADMIT = 6  # ADMIT_ARGS: the first resume, then the resize to the capacity
+SEQ_COMMIT = 7  # COMMIT_ARGS
+SEQ_STOP = 8
+SEQ_CLOSE = 9  # CLOSE_ARGS
 FIRST_COMMIT_OP = SEQ_COMMIT  # ops from here on are the commit kernel's
 
 # The work list of one sequence launch (``work``: int64 [n + 1, BATCH_WIDTH]):
@@ -439,6 +444,7 @@ CNT_MIGRATED = 10
 CNT_DROPPED = 11
 CNT_EVICT_FIRST = 12
 CNT_RETIRED = 13
+CNT_UNLINKS = 14
 
 POLICY_COMMIT_MIN_SNAPSHOT = 0
 POLICY_SCRATCH_REWIND = 1
@@ -541,6 +547,8 @@ COMMIT_IS_END = 2
 
 CLOSE_EVICT_FIRST = 0
 
+ADMIT_CAPACITY = 0
+
 BLK_WIDTH = BLOCKS.width
 PAGE_WIDTH = PAGES.width
 LOG_WIDTH = LOG.width
@@ -565,8 +573,9 @@ for _layout, _prefix in (
     (LANE, "LN"), (ADD_ARGS, "ADD"), (INSERT_ARGS, "INSERT"), (ADD_PAGE_ARGS, "ADD_PAGE"), (UNLINK_ARGS, "UNLINK"),
     (PAGE_ARGS, "PAGE_ARG"), (DROP_ARGS, "DROP"), (BLOCK_ARGS, "BLOCK_ARG"), (ANNOUNCE_ARGS, "ANNOUNCE"), (EVICT_ARGS, "EVICT"),
     (TREE_OUT, "OUT"), (SETUP_ARGS, "SETUP"), (RESIZE_ARGS, "RESIZE"), (COMMIT_ARGS, "COMMIT"), (CLOSE_ARGS, "CLOSE"),
+    (ADMIT_ARGS, "ADMIT"),
 ):
     _check_columns(_layout, _prefix)
 assert ADD_ARGS.width <= TREE_ARGS_WIDTH and INSERT_ARGS.width <= TREE_ARGS_WIDTH
-assert max(a.width for a in (SETUP_ARGS, RESIZE_ARGS, COMMIT_ARGS, CLOSE_ARGS)) <= SEQ_ARGS_WIDTH
+assert max(a.width for a in (SETUP_ARGS, RESIZE_ARGS, COMMIT_ARGS, CLOSE_ARGS, ADMIT_ARGS)) <= SEQ_ARGS_WIDTH
 assert INSERT_ROOT_DIGEST == ADD_ROOT_DIGEST

@@ -14,6 +14,7 @@ from ..core.layout import (
     CNT_ERROR,
     CNT_NUM_COPIES,
     CNT_SERIAL,
+    CNT_UNLINKS,
     NUM_LEVELS,
     COPY_DST_INDEX,
     COPY_DST_LEVEL,
@@ -175,6 +176,7 @@ def unlink_page(S, r, lc, expected):
         return NULL
     S.pages[p, PAGE_BLOCK] = NULL
     set_slot(S, r, lc, NULL, 0)
+    S.counters[CNT_UNLINKS] += 1  # a match made before may name this page (Launcher.removals)
     return p
 
 

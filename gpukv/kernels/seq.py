@@ -4,11 +4,12 @@ A ``KVCache`` keeps its state in small device arrays (``SeqTables``): per
 ordinal and life cycle the page it refers to and how (held or locked), per
 ordinal the tree block it is committed as, its committed tokens, and a row of
 scalars (``SEQ_SCALARS``). Each public call (create with reuse, resume,
-suspend, resize, commit, stop, close) is one launch of one of the two kernels
-below, the sizing kernel (reuse setup, resume, suspend, resize) or the commit
-kernel (commit, stop, close), so no call loops over blocks in Python. Each
-opcode calls one helper of the concern modules: ``seq_hold`` (holding and
-releasing pages), ``seq_resume`` (reuse setup, resume, suspend),
+suspend, resize, admission, commit, stop, close) is one launch of one of the
+two kernels below, the sizing kernel (reuse setup, resume, suspend, resize,
+admission) or the commit kernel (commit, stop, close), so no call loops over
+blocks in Python. Each opcode calls one helper of the concern modules:
+``seq_hold`` (holding and releasing pages), ``seq_resume`` (reuse setup,
+resume, suspend, admission),
 ``seq_resize``, ``seq_commit`` (commits and snapshots), ``seq_close``. Page data copies the kernel decides on are recorded
 and carried out by the host right after the launch, in order. Allocations make
 room by eviction (``evict.py``); the all-or-nothing ones first check that
@@ -22,6 +23,7 @@ from collections import namedtuple
 
 from ..core.backend import cpu_kernel, launch_stream
 from ..core.layout import (
+    ADMIT_CAPACITY,
     BATCH_OP,
     BATCH_PATH,
     BATCH_SLOT,
@@ -33,10 +35,12 @@ from ..core.layout import (
     Q_RESULT,
     RESIZE_CAPACITY,
     RESIZE_HISTORY,
+    SEQ_ADMIT,
     SEQ_CLOSE,
     SEQ_COMMIT,
     SEQ_RESIZE,
     SEQ_RESUME,
+    SEQ_SETUP_MATCHED,
     SEQ_SETUP_REUSE,
     SEQ_STOP,
     SEQ_SUSPEND,
@@ -48,7 +52,7 @@ from .link import helper, link
 from .seq_close import close
 from .seq_commit import commit, stop_committing
 from .seq_resize import resize
-from .seq_resume import resume, setup_reuse, suspend
+from .seq_resume import admit, resume, setup_matched, setup_reuse, suspend
 
 SeqTables = namedtuple(
     "SeqTables",
@@ -81,6 +85,10 @@ def size_step(S, Q, op):
         suspend(S, Q)
     elif op == SEQ_RESIZE:
         resize(S, Q, Q.args[RESIZE_CAPACITY], Q.args[RESIZE_HISTORY])
+    elif op == SEQ_SETUP_MATCHED:
+        setup_matched(S, Q, Q.args[SETUP_NUM_TOKENS], Q.args[SETUP_NUM_BLOCKS])
+    elif op == SEQ_ADMIT:
+        admit(S, Q, Q.args[ADMIT_CAPACITY])
 
 
 @helper

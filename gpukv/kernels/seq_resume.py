@@ -3,7 +3,8 @@
 A new sequence holds every page the matched endpoint needs. Its first resume
 locks everything (bringing host pages back to the GPU), gives it private
 copies of a reused partial tail and of the checkpoint kinds' state, and makes
-the partial block uncommitted: a sequence never writes a shared page.
+the partial block uncommitted: a sequence never writes a shared page. An
+admission is the first resume and the sizing of a new sequence in one step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .evict import can_have, evictable
 from .lifecycle import is_stale
 from .pages import copy_page_data, page_of
 from .seq_hold import hold, promised_page, release, set_all_kinds, set_entry, set_tree, to_gpu
-from .seq_resize import release_scratch
+from .seq_resize import release_scratch, resize
 
 
 @helper(inline=False)
@@ -145,3 +146,31 @@ def suspend(S, Q):
     Q.scalars[Q_STATUS] = SUSPENDED
     release_scratch(S, Q)
     set_all_kinds(S, Q, HOLD)
+
+
+@helper(inline=False)
+def setup_matched(S, Q, N, count):
+    """``setup_reuse`` with the committed tokens taken from the matched blocks
+    themselves (a match's prefix is theirs, a partial block's included), so
+    no host copy of the request's tokens is needed."""
+    T = S.tokens.shape[1]
+    for o in range(count):
+        r = Q.path[o]
+        for j in range(min(T, N - o * T)):
+            Q.tokens[o * T + j] = S.tokens[r, j]
+    setup_reuse(S, Q, N, count)
+
+
+@helper(inline=False)
+def admit(S, Q, capacity):
+    """A new sequence's first resume, then its resize to ``capacity`` with
+    the reused tokens as history. ``Q_RESULT`` 0: the resume was refused
+    (SUSPENDED), or the resize (ACTIVE at the reused length), or
+    ``capacity`` is below zero (the host refused the resize)."""
+    resume(S, Q)
+    if Q.scalars[Q_RESULT] == 0:
+        return
+    if capacity < 0:
+        Q.scalars[Q_RESULT] = 0
+        return
+    resize(S, Q, capacity, Q.scalars[Q_HISTORY])

@@ -120,6 +120,10 @@ class GpukvKVCacheManager:
         self._waiting = None  # the scheduler's waiting queue (lookup_ahead), or None: one match per lookup
         self._lookahead_depth = 0
         self._ahead: dict = {}  # request id -> a lookup matched ahead (_lookup's tuple)
+        # request id -> (gpukv match, entry, hit) of its last lookup: its
+        # admission creates the cache from that match when it is still current
+        # and the hit is the match's own (admit_batch: no second match).
+        self._matched: dict = {}
         self._step = StepCalls(
             self._gk, cfg.block_size, self._ids, self._events, self._group.num_cached_block, cfg.needs_zeroing,
             track_fresh=cfg.partial_reuse,
@@ -190,18 +194,18 @@ class GpukvKVCacheManager:
         found = self._ahead.pop(request.request_id, None)
         if found is None or found[0] is not request or found[1] != limit or found[2] != self._step.version:
             found = self._lookup(request, limit)
-        hit, rows, tokens = found[3:]
+        hit, rows, tokens, match, entry = found[3:]
+        own = hit
         T = self._T
-        if hit == 0:
-            return self.empty_kv_cache_blocks, 0, 0
         if hit % T and self._step.fresh[self._gk.match_pages(rows[-1:])[0][0]]:
             # The block the hit ends in was cached this step: its KV is written
             # by this step's forward, after the copy that would share it runs.
             # Reuse its whole blocks only (those are read after they are written).
             hit = hit // T * T
             rows = rows[: hit // T]
-            if hit == 0:
-                return self.empty_kv_cache_blocks, 0, 0
+        self._matched[request.request_id] = (match if hit == own else None, entry, hit)
+        if hit == 0:
+            return self.empty_kv_cache_blocks, 0, 0
         if self._events is not None and getattr(request, "kv_cache_report_mode", "incremental") == "full":
             self._events.reused(request, hit // T)
         return self._HitBlocks(self._hit_pages, rows, hit, tokens[:hit]), hit, 0
@@ -226,7 +230,8 @@ class GpukvKVCacheManager:
 
     def _lookup(self, request, limit: int) -> tuple:
         """Match ``request`` (and the waiting head announced by ``lookup_ahead``)
-        in one gpukv match: ``(request, limit, version, hit, rows, tokens)``."""
+        in one gpukv match: ``(request, limit, version, hit, rows, tokens,
+        match, entry)``."""
         batch = [(request, limit)]
         if self._waiting is not None and self._lookahead_depth > 1:
             for r in islice(self._waiting, self._lookahead_depth):
@@ -255,7 +260,8 @@ class GpukvKVCacheManager:
             hit = hits[i] if self.partial_reuse else hits[i] // T * T
             start = block_starts[i]
             rows = np.asarray(m.block_ids[start:start + _cdiv(hit, T)], dtype=np.int64)
-            entry = (r, n, version, hit, rows, tokens[offsets[i]:offsets[i] + hit])
+            # The match and entry only where the hit is the match's own.
+            entry = (r, n, version, hit, rows, tokens[offsets[i]:offsets[i] + hit], m if hit == hits[i] else None, i)
             if i == 0:
                 found = entry
             else:
@@ -386,6 +392,9 @@ class GpukvKVCacheManager:
         state = RequestState(
             request, scope_of(request), hit, hit_blocks.tokens[:hit] if hit else _NO_TOKENS, num_blocks=shared + new,
         )
+        match, entry, looked_up = self._matched.pop(request.request_id, (None, 0, -1))
+        if match is not None and looked_up == hit:
+            state.match = (match, entry)
         self._requests[request.request_id] = state
         self._group.req_to_blocks[request.request_id] = state.blocks
         if shared and self.enable_caching:
@@ -414,6 +423,7 @@ class GpukvKVCacheManager:
 
     def free(self, request) -> None:
         """Release the request's blocks; its cached blocks stay reusable."""
+        self._matched.pop(request.request_id, None)
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return  # never allocated (aborted while waiting)

@@ -6,8 +6,9 @@ answer at once. The answers need only counts and lookups, so the adapter
 decides in Python and queues the gpukv work, then issues it as one launch per
 kind of call when something needs the result:
 
-- **allocations** (a new request's cache: create with its hit, resume, resize;
-  a running request's growth: resize), in the order they were decided;
+- **allocations** (a new request's cache: admitted from its lookup's gpukv
+  match, holding its hit, resumed and sized; a running request's growth:
+  resize), in the order they were decided;
 - **commits** of the tokens vLLM caches at allocation time;
 - **closes** of freed requests.
 
@@ -49,7 +50,7 @@ class RequestState:
 
     __slots__ = (
         "request", "kv", "blocks", "ids", "num_blocks", "hit", "committed", "target",
-        "admit_tokens", "scope", "in_alloc", "in_commit", "freed",
+        "admit_tokens", "scope", "match", "in_alloc", "in_commit", "freed",
     )
 
     def __init__(self, request, scope, hit: int, admit_tokens, num_blocks: int):
@@ -63,6 +64,7 @@ class RequestState:
         self.target = hit  # tokens to commit (decided)
         self.admit_tokens = admit_tokens  # the hit's tokens until the cache is created, then None
         self.scope = scope
+        self.match = None  # (gpukv match, entry) its hit came from, while the cache is not created
         self.in_alloc = False
         self.in_commit = False
         self.freed = False  # vLLM freed it; its close may still be queued
@@ -194,19 +196,21 @@ class StepCalls:
                 runs.append(alloc[start:stop])
                 start = stop
         else:
-            # Nothing is evicted: holding every hit first changes no outcome,
-            # and one resize hands out pages in decision order, as vLLM does.
-            runs = [alloc]
+            # Nothing is evicted: the order changes no outcome but which free
+            # page goes to whom. The growths first: vLLM's scheduler decides
+            # the running requests before the waiting ones.
+            runs = [run for run in ([s for s in alloc if s.kv is not None], [s for s in alloc if s.kv is None]) if run]
         copies = False
         for run in runs:
-            admitted = {id(s) for s in run if s.kv is None}
-            if admitted:
-                self._create([s for s in run if s.kv is None])
+            admission = run[0].kv is None
+            if admission:
+                ok = self._admit(run)
                 # The one source of page copies in the adapter's configuration
                 # (no host tier, no commit_min_snapshot): the first resume's
                 # private copy of a hit that ends inside a block.
                 copies = copies or any(s.hit % T for s in run)
-            ok = self._gk.resize_batch([s.kv for s in run], [s.num_blocks * T for s in run])
+            else:
+                ok = self._gk.resize_batch([s.kv for s in run], [s.num_blocks * T for s in run])
             if not ok.all():
                 bad = run[int(np.argmin(ok))]
                 raise RuntimeError(
@@ -215,32 +219,41 @@ class StepCalls:
                 )
             for s in run:
                 s.in_alloc = False
-            self._take_new_blocks(run, admitted)
+            self._take_new_blocks(run, admission)
         if copies:
             self._take_copies()
 
-    def _create(self, run: list) -> None:
+    def _admit(self, run: list) -> np.ndarray:
+        """The run's new caches, holding their hits, resumed and sized: from
+        their lookups' gpukv match when it is one and still current (no
+        second match), else created from their hits' tokens."""
         gk = self._gk
-        kvs = gk.create_kv_caches([s.admit_tokens for s in run], scopes=[s.scope for s in run])
+        T = self._T
+        capacities = [s.num_blocks * T for s in run]
+        match = run[0].match[0] if run[0].match is not None else None
+        if match is not None and all(s.match is not None and s.match[0] is match for s in run) and gk.is_current(match):
+            kvs, ok = gk.admit_batch(match, capacities, entries=[s.match[1] for s in run])
+        else:
+            kvs = gk.create_kv_caches([s.admit_tokens for s in run], scopes=[s.scope for s in run])
+            ok = gk.resume_batch(kvs)
+            if ok.all():
+                ok = gk.resize_batch(kvs, capacities)
         for s, kv in zip(run, kvs):
             s.kv = kv
-            s.admit_tokens = None
+            s.admit_tokens = s.match = None
             if kv.num_committed_tokens != s.hit:
                 raise RuntimeError(
                     f"request {s.request.request_id!r}: its prefix hit of {s.hit} tokens is stale "
                     f"({kv.num_committed_tokens} reusable now); allocate_slots must follow get_computed_blocks "
                     "with no allocation or free in between"
                 )
-        ok = gk.resume_batch(kvs)
-        if not ok.all():
-            bad = run[int(np.argmin(ok))]
-            raise RuntimeError(f"gpukv refused to resume the new cache of request {bad.request.request_id!r}")
+        return ok
 
-    def _take_new_blocks(self, run: list, admitted: set) -> None:
-        """Append the blocks the calls gave the run's requests to their block
-        lists, read for the whole run at once. An admission's blocks are its
-        hit's and new ones; only the new pages come from the free list or
-        eviction."""
+    def _take_new_blocks(self, run: list, admission: bool) -> None:
+        """Append the blocks the calls gave the run's requests (admissions, or
+        growths) to their block lists, read for the whole run at once. An
+        admission's blocks are its hit's and new ones; only the new pages
+        come from the free list or eviction."""
         have = [len(s.ids) for s in run]
         pages, offsets = self._gk.page_indices_batch([s.kv for s in run], 0, have)
         if not len(pages):
@@ -256,7 +269,7 @@ class StepCalls:
             ids = all_ids[a:b]
             s.blocks.extend(all_blocks[a:b])
             s.ids.extend(ids)
-            first_new = max((s.hit // T if id(s) in admitted else h) - h, 0)
+            first_new = max((s.hit // T if admission else h) - h, 0)
             if first_new < b - a:
                 new_pages.append(pages[a + first_new:b])
                 if self._record_new_ids:
