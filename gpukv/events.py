@@ -283,24 +283,38 @@ class KVCacheEventManager:
         decoded by ``_Launch``; what is left here is the order-dependent part
         of the rules (announcements, scopes, removal buffering, chains)."""
         stored, scope_of = self._stored, self._scope_of
-        header = iter(launch.headers()).__next__
-        for (kind, lc, old_level, level), key in zip(launch.fields, launch.keys):
+        fields, keys = launch.fields, launch.keys
+        hashes, parent_keys, parent_hashes, at_roots, coverings, payloads, runs = launch.headers
+        i, h, n = 0, 0, len(fields)  # the record, and the stored header it is when it is one
+        while i < n:
+            kind, lc, old_level, level = fields[i]
+            key = keys[i]
             if kind == EV_STORED_BLOCK or kind == EV_STORED_LIFE_CYCLE:
-                block_hash, parent_key, parent_hash, at_root, covering, payload = header()
-                if at_root:
+                parent_hash = parent_hashes[h]
+                if at_roots[h]:
                     parent_hash = None
-                    found = None if self._scope_of_root is None else self._scope_of_root(parent_key)
+                    found = None if self._scope_of_root is None else self._scope_of_root(parent_keys[h])
                     scope = None if found is None or found == _DEFAULT_SCOPE else found
                 else:
-                    scope = scope_of.get(parent_key) if scope_of else None
+                    scope = scope_of.get(parent_keys[h]) if scope_of else None
+                run = runs[h]
+                # A chain inherits its first block's scope, unless a block of
+                # it left without one is known to a scope still (then block by block).
+                if run > 1 and (scope is not None or not scope_of or scope_of.keys().isdisjoint(keys[i:i + run - 1])):
+                    self._store_chain(keys[i:i + run], hashes[h:h + run], parent_hash, scope,
+                                      coverings[h:h + run], payloads[h:h + run])
+                    i, h = i + run, h + run
+                    continue
                 if scope is not None:
                     scope_of[key] = scope
+                covering = coverings[h]
                 if not covering:  # nothing covers the whole block: nothing to announce
-                    continue
-                if kind == EV_STORED_BLOCK:
-                    self._store_block(key, block_hash, parent_hash, scope, covering, payload)
+                    pass
+                elif kind == EV_STORED_BLOCK:
+                    self._store_block(key, hashes[h], parent_hash, scope, covering, payloads[h])
                 else:
-                    self._store_life_cycle(key, block_hash, parent_hash, scope, covering, payload, lc)
+                    self._store_life_cycle(key, hashes[h], parent_hash, scope, covering, payloads[h], lc)
+                h += 1
             elif kind == EV_REMOVED:
                 # One record per detached block. Removing a subtree key by key
                 # gives the events of one batched call: removals are buffered
@@ -315,6 +329,7 @@ class KVCacheEventManager:
                 self.add_removed_life_cycle_event(key, lc)
             else:  # EV_UPDATED (_Launch keeps no other kind)
                 self.add_updated_event(key, cache_level=Diff(old_level, level), priority=None, layer_group_id=lc)
+            i += 1
 
     def flush_iteration_events(self) -> None:
         """End the iteration: flush the buffered removals and move every pending
@@ -459,7 +474,24 @@ class KVCacheEventManager:
         tokens, mm_keys = payload
         for lc, level, priority in covering:
             data = KVCacheStoredBlockData(block_hash, tokens, level, priority, mm_keys)
-            self._add_stored_event(parent_hash, data, lc, scope)
+            self._add_stored_event(parent_hash, (data,), lc, scope)
+
+    def _store_chain(self, keys: list, block_hashes: list, parent_hash, scope, coverings: list, payloads: list) -> None:
+        """``_store_block`` of each block of a chain (each the parent of the
+        next, all whole-block stores covered in the same life cycles), in
+        one pass per life cycle. The same events: after its first block, a
+        chain only extends each group's latest stored event, which makes no
+        event, so the blocks of a group may go in together."""
+        life_cycles = tuple([page[0] for page in coverings[0]])
+        self._stored.update(zip(keys, [_Announced(block_hash, life_cycles) for block_hash in block_hashes]))
+        if scope is not None:
+            self._scope_of.update(dict.fromkeys(keys, scope))
+        tokens, mm_keys = zip(*payloads)
+        for j, lc in enumerate(life_cycles):
+            pages = [covering[j] for covering in coverings]
+            blocks = tuple(map(KVCacheStoredBlockData, block_hashes, tokens, [page[1] for page in pages],
+                               [page[2] for page in pages], mm_keys))
+            self._add_stored_event(parent_hash, blocks, lc, scope)
 
     def _store_life_cycle(self, key: bytes, block_hash, parent_hash, scope, covering, payload, life_cycle) -> None:
         state = self._stored.get(key)
@@ -476,7 +508,7 @@ class KVCacheEventManager:
         self._stored[key] = _Announced(state.block_hash, tuple(sorted(state.life_cycles + (life_cycle,))))
         tokens, mm_keys = payload
         data = KVCacheStoredBlockData(state.block_hash, tokens, level, priority, mm_keys)
-        self._add_stored_event(parent_hash, data, life_cycle, scope)
+        self._add_stored_event(parent_hash, (data,), life_cycle, scope)
 
     # -- batching and ordering ---------------------------------------------------
     def _add_event(self, data: EventData, group: int | None) -> int:
@@ -515,8 +547,10 @@ class KVCacheEventManager:
                 self._latest_stored[group] = at - cut
         self._pending = self._pending[cut:]  # a new list: a saved one stays whole (_restore)
 
-    def _add_stored_event(self, parent_hash, block: KVCacheStoredBlockData, group: int,
-                          scope: ReuseScope | None = None) -> None:
+    def _add_stored_event(self, parent_hash, blocks: tuple, group: int, scope: ReuseScope | None = None) -> None:
+        """Store ``blocks`` (a chain, each the parent of the next, the first a
+        child of ``parent_hash``) in ``group``: extending its latest stored
+        event when that ends with the parent, else as a new event."""
         # The group's own removals go first, ahead of the other groups' too: a
         # block removed and then stored again must not read as stored, removed.
         if self._removed:
@@ -529,17 +563,17 @@ class KVCacheEventManager:
                 last = extending[-1] if extending else event.data.blocks[-1]
                 if last.block_hash == parent_hash and event.data.scope == scope:
                     if extending is None:
-                        self._extending[group] = [block]
+                        self._extending[group] = list(blocks)
                     else:
-                        extending.append(block)
+                        extending.extend(blocks)
                     return
             if self._dropped_tail and self._dropped_tail.get(group) == (parent_hash, scope):
-                self._dropped_tail[group] = (block.block_hash, scope)  # extends an event the cap dropped
+                self._dropped_tail[group] = (blocks[-1].block_hash, scope)  # extends an event the cap dropped
                 return
         self._end_chain(group)
         # Not a continuation: a new event (which flushes the other groups'
         # removals, ascending, before it).
-        self._latest_stored[group] = self._add_event(KVCacheStoredData(parent_hash, (block,), scope), group)
+        self._latest_stored[group] = self._add_event(KVCacheStoredData(parent_hash, blocks, scope), group)
 
     def _end_chain(self, group: int | None) -> None:
         """The group's latest stored event takes no more blocks."""
@@ -681,13 +715,14 @@ class _Launch:
     """One launch's change log, decoded with array operations instead of per
     record. ``fields`` and ``keys``: for each record that can make an event,
     in log order, its ``[kind, life cycle, old level, level]`` and its block
-    key. ``headers()``: for each stored header, in log order, its hash,
-    parent, covering pages and payload. Nothing here is event state (the
+    key. ``headers``: columns with a row per stored header, in log order:
+    block hash, parent key, parent hash, whether the parent is a root, the
+    covering pages, the payload, and the chain run (``_chain_runs``). Nothing here is event state (the
     token objects are shared, safely), so an interrupt while building it
     changes nothing. Malformed records raise ValueError here, before the
     event manager applies any."""
 
-    __slots__ = ("fields", "keys", "_headers")
+    __slots__ = ("fields", "keys", "headers")
 
     def __init__(self, records: np.ndarray, log_tokens: np.ndarray, event_hash: str,
                  digest_of_token: Callable[[int], bytes], unique: _UniqueTokens, first: int = 0):
@@ -711,7 +746,7 @@ class _Launch:
         self.keys = _keys(rows, LOG_DIGEST)
         headers = np.flatnonzero(role == _HEADER)
         if not headers.size:
-            self._headers = ()
+            self.headers = ((),) * 7
             return
         h = records[headers]
         # Covering page infos, grouped by header (they follow it, ascending).
@@ -722,14 +757,34 @@ class _Launch:
         covering = [pages[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
         payloads = _payloads(h, np.flatnonzero(hi > lo), log_tokens, digest_of_token, unique)
         keys, parent_keys = _keys(h, LOG_DIGEST), _keys(h, LOG_PARENT_DIGEST)
-        self._headers = (_hashes(h, LOG_DIGEST, event_hash, keys), parent_keys,
-                         _hashes(h, LOG_PARENT_DIGEST, event_hash, parent_keys),
-                         h[:, LOG_PARENT_IS_ROOT].tolist(), covering, payloads)
+        # The life cycles that cover each header, as bits (a config has few).
+        covered = np.bincount(np.searchsorted(headers, owner[covers]), weights=np.exp2(records[covers, LOG_LIFE_CYCLE]),
+                              minlength=len(headers))
+        self.headers = (_hashes(h, LOG_DIGEST, event_hash, keys), parent_keys,
+                        _hashes(h, LOG_PARENT_DIGEST, event_hash, parent_keys),
+                        h[:, LOG_PARENT_IS_ROOT].tolist(), covering, payloads,
+                        _chain_runs(h, np.cumsum(role >= _EVENT)[headers], covered))
 
-    def headers(self):
-        """``(block hash, parent key, parent hash, parent is a root, covering
-        pages, payload)`` per stored header, in log order."""
-        return zip(*self._headers) if self._headers else iter(())
+
+def _chain_runs(headers: np.ndarray, position: np.ndarray, covered: np.ndarray) -> list:
+    """Per stored header, the number of headers from it on that form a chain
+    it starts (1 for a header alone; only a run's first header is read): a
+    header continues the one before when both are whole-block stores
+    (EV_STORED_BLOCK), next to each other among the records that make
+    events (``position``), covered in the same, not no, life cycles
+    (``covered``: their bits), and its parent is that header's block."""
+    continues = np.zeros(len(headers), dtype=bool)
+    store = headers[:, LOG_KIND] == EV_STORED_BLOCK
+    continues[1:] = (
+        store[1:] & store[:-1] & (np.diff(position) == 1)
+        & (covered[1:] == covered[:-1]) & (covered[1:] != 0)
+        & (headers[1:, LOG_PARENT_IS_ROOT] == 0)
+        & (headers[1:, LOG_PARENT_DIGEST : LOG_PARENT_DIGEST + 4] == headers[:-1, LOG_DIGEST : LOG_DIGEST + 4]).all(axis=1)
+    )
+    runs = np.ones(len(headers), dtype=np.int64)
+    starts = np.flatnonzero(~continues)
+    runs[starts] = np.diff(np.append(starts, len(headers)))
+    return runs.tolist()
 
 
 def _keys(rows: np.ndarray, col: int) -> list:
