@@ -271,7 +271,8 @@ class CacheCalls:
         Python arithmetic, not NumPy's slower scalars)."""
         S = self.pool.host_scalars
         if type(slots) is _ARRAY:
-            return [S[slots, c] for c in columns]
+            rows = S[slots]  # one gather, then a view per column
+            return [rows[:, c] for c in columns]
         return list(map(S[slots].tolist().__getitem__, columns))  # one row: its Python ints
 
     # -- one cache: KVCache's methods (and create_kv_cache) ---------------------------------
@@ -684,13 +685,15 @@ class CacheCalls:
         if rows:
             tables.ensure_free_blocks(rows)
         blocks = span + (pool.scratch_width + 8) + allocated  # per cache
-        if type(slots) is _ARRAY:
-            blocks, announced = np.broadcast_to(blocks, slots.shape), np.broadcast_to(announced, slots.shape)
+        n = _count(slots)
+        total = _total(blocks) if type(blocks) is _ARRAY else blocks * n
+        total_announced = _total(announced) if type(announced) is _ARRAY else announced * n
+        if n > 1:
             log_rows, token_rows = tables.log_budget
-            total = _total(blocks)
             copy_rows = tables.copy_room  # None: the list holds any launch's copies
-            if len(slots) > 1 and (_total(announced) > token_rows or log_rows_for(total, _total(announced), self.L) > log_rows
-                                   or (copy_rows is not None and copy_rows_for(total, self.L) > copy_rows)):
+            if (total_announced > token_rows or log_rows_for(total, total_announced, self.L) > log_rows
+                    or (copy_rows is not None and copy_rows_for(total, self.L) > copy_rows)):
+                blocks, announced = np.broadcast_to(blocks, slots.shape), np.broadcast_to(announced, slots.shape)
                 ends = self._launches(blocks, announced, log_rows, token_rows, copy_rows)
                 for i, j in zip(ends[:-1].tolist(), ends[1:].tolist()):
                     part = lambda v: v[i:j] if type(v) is _ARRAY else v  # noqa: E731 (one column of the launch's caches)
@@ -703,7 +706,7 @@ class CacheCalls:
                               _total(part(announced)), t_part, t_off, p_part, p_off,
                               None if closing is None else closing[i:j])
                 return
-        self._run(slots, op, args, _total(blocks), _total(announced), tokens, tokens_off, path, path_off, closing)
+        self._run(slots, op, args, total, total_announced, tokens, tokens_off, path, path_off, closing)
 
     def _launches(self, blocks, announced, log_rows: int, token_rows: int, copy_rows) -> np.ndarray:
         """Where consecutive launches over the caches start (and the last
@@ -795,23 +798,23 @@ class CacheCalls:
             if type(s) is int and 0 <= s < pool.serial.shape[0] and pool.serial[s] == serial:
                 return np.array([s], dtype=np.int64)
         try:
-            slots = np.fromiter(map(_slot_of, caches), dtype=np.int64, count=n)
+            listed = list(map(_slot_of, caches))
+            slots = np.array(listed, dtype=np.int64)
             serials = np.fromiter(map(_serial_of, caches), dtype=np.int64, count=n)
         except (AttributeError, TypeError):
             i = next(i for i, kv in enumerate(caches) if not isinstance(kv, KVCache))
             raise TypeError(f"{what}: caches[{i}] is not a KVCache, got {type(caches[i]).__name__}") from None
-        ours = (slots >= 0) & (slots < pool.serial.shape[0])
-        ours[ours] = pool.serial[slots[ours]] == serials[ours]
-        if not ours.all():
+        if n and (int(slots.min()) < 0 or int(slots.max()) >= pool.serial.shape[0]
+                  or not (pool.serial[slots] == serials).all()):
+            ours = (slots >= 0) & (slots < pool.serial.shape[0])
+            ours[ours] = pool.serial[slots[ours]] == serials[ours]
             i = int(np.argmin(ours))
             raise ValueError(f"{what}: caches[{i}] belongs to another manager")
-        if n > 1:
+        if len(set(listed)) != n:
             order = np.argsort(slots, kind="stable")
-            twice = slots[order[1:]] == slots[order[:-1]]
-            if twice.any():
-                k = int(np.argmax(twice))
-                first, again = sorted((int(order[k]), int(order[k + 1])))
-                raise ValueError(f"{what}: caches[{again}] is caches[{first}] again; list each cache once")
+            k = int(np.argmax(slots[order[1:]] == slots[order[:-1]]))
+            first, again = sorted((int(order[k]), int(order[k + 1])))
+            raise ValueError(f"{what}: caches[{again}] is caches[{first}] again; list each cache once")
         return slots
 
     @staticmethod

@@ -517,10 +517,12 @@ class CachePool:
             self._run(launcher, ops >= FIRST_COMMIT_OP, work, tokens, path, results)
             return
         n = len(slots)
-        ops = np.broadcast_to(np.asarray(ops, dtype=np.int64), (n,))
-        commit = bool(n) and bool(ops[0] >= FIRST_COMMIT_OP)
-        if n and ((ops >= FIRST_COMMIT_OP) != commit).any():
-            raise AssertionError("one launch runs sizing calls or commit calls, never both")
+        if type(ops) is np.ndarray:
+            commit = bool(n) and bool(ops[0] >= FIRST_COMMIT_OP)
+            if n and ((ops >= FIRST_COMMIT_OP) != commit).any():
+                raise AssertionError("one launch runs sizing calls or commit calls, never both")
+        else:
+            commit = ops >= FIRST_COMMIT_OP
         work = np.zeros((n + 1, BATCH_WIDTH), dtype=np.int64)
         work[:n, BATCH_SLOT] = slots
         work[:n, BATCH_OP] = ops

@@ -201,6 +201,7 @@ class StepCalls:
             # the running requests before the waiting ones.
             runs = [run for run in ([s for s in alloc if s.kv is not None], [s for s in alloc if s.kv is None]) if run]
         copies = False
+        have = [len(s.ids) for s in alloc]  # blocks each had (their pages never move: read once, at the end)
         for run in runs:
             admission = run[0].kv is None
             if admission:
@@ -219,7 +220,7 @@ class StepCalls:
                 )
             for s in run:
                 s.in_alloc = False
-            self._take_new_blocks(run, admission)
+        self._take_new_blocks(alloc, have)
         if copies:
             self._take_copies()
 
@@ -249,13 +250,12 @@ class StepCalls:
                 )
         return ok
 
-    def _take_new_blocks(self, run: list, admission: bool) -> None:
-        """Append the blocks the calls gave the run's requests (admissions, or
-        growths) to their block lists, read for the whole run at once. An
-        admission's blocks are its hit's and new ones; only the new pages
-        come from the free list or eviction."""
-        have = [len(s.ids) for s in run]
-        pages, offsets = self._gk.page_indices_batch([s.kv for s in run], 0, have)
+    def _take_new_blocks(self, alloc: list, have: list) -> None:
+        """Append the blocks the issued allocations gave their requests to
+        their block lists (``have[i]``: how many request ``i`` had), read for
+        all of them at once. An admission's blocks are its hit's and new
+        ones; only the new pages come from the free list or eviction."""
+        pages, offsets = self._gk.page_indices_batch([s.kv for s in alloc], 0, have)
         if not len(pages):
             return
         pages = pages.astype(np.int64)
@@ -263,13 +263,13 @@ class StepCalls:
         all_blocks = self._ids.of_pages(pages)
         T = self._T
         new_pages = []
-        for s, h, a, b in zip(run, have, offsets[:-1].tolist(), offsets[1:].tolist()):
+        for s, h, a, b in zip(alloc, have, offsets[:-1].tolist(), offsets[1:].tolist()):
             if a == b:
                 continue
             ids = all_ids[a:b]
             s.blocks.extend(all_blocks[a:b])
             s.ids.extend(ids)
-            first_new = max((s.hit // T if admission else h) - h, 0)
+            first_new = max((s.hit // T if h == 0 else h) - h, 0)  # an admission had none
             if first_new < b - a:
                 new_pages.append(pages[a + first_new:b])
                 if self._record_new_ids:
