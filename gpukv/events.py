@@ -43,10 +43,11 @@ Choices where the reference leaves room, all documented at their definition:
 layer group (None), and the byte order of ``sha256_64`` hashes.
 
 A launch's records are decoded as arrays (``_Launch``: kinds, keys, hashes,
-token rows and the covering pages of every header, each in one operation), so
-what stays per record is the ordered part the rules need: dictionary lookups
-and the events themselves. A launch applies whole or not at all (see
-``on_records``).
+the covering pages and token payloads of every header, the chains of stores
+and runs of removals, each in a few operations), so what stays per record is
+the ordered part the rules need: dictionary lookups and the events
+themselves; a chain or a run of removals goes in at once. A launch applies
+whole or not at all (see ``on_records``).
 
 The module is long because the event manager keeps the reference's operations
 one to one, and the four rules above only make sense read together.
@@ -283,8 +284,8 @@ class KVCacheEventManager:
         decoded by ``_Launch``; what is left here is the order-dependent part
         of the rules (announcements, scopes, removal buffering, chains)."""
         stored, scope_of = self._stored, self._scope_of
-        fields, keys = launch.fields, launch.keys
-        hashes, parent_keys, parent_hashes, at_roots, coverings, payloads, runs = launch.headers
+        fields, keys, spans = launch.fields, launch.keys, launch.spans
+        hashes, parent_keys, parent_hashes, at_roots, coverings, payloads = launch.headers
         i, h, n = 0, 0, len(fields)  # the record, and the stored header it is when it is one
         while i < n:
             kind, lc, old_level, level = fields[i]
@@ -297,7 +298,7 @@ class KVCacheEventManager:
                     scope = None if found is None or found == _DEFAULT_SCOPE else found
                 else:
                     scope = scope_of.get(parent_keys[h]) if scope_of else None
-                run = runs[h]
+                run = spans[i]
                 # A chain inherits its first block's scope, unless a block of
                 # it left without one is known to a scope still (then block by block).
                 if run > 1 and (scope is not None or not scope_of or scope_of.keys().isdisjoint(keys[i:i + run - 1])):
@@ -316,15 +317,16 @@ class KVCacheEventManager:
                     self._store_life_cycle(key, hashes[h], parent_hash, scope, covering, payloads[h], lc)
                 h += 1
             elif kind == EV_REMOVED:
-                # One record per detached block. Removing a subtree key by key
-                # gives the events of one batched call: removals are buffered
-                # per group, in order, until something flushes them.
+                # One record per detached block, a run of them per subtree:
+                # removals are buffered per group, in order, until something
+                # flushes them, so a run goes in at once.
+                removing = keys[i : i + spans[i]]
                 if scope_of:
-                    scope_of.pop(key, None)
-                state = stored.pop(key, None)
-                if state is not None:
-                    for g in state.life_cycles:
-                        self._enqueue_removed([state.block_hash], g)
+                    for key in removing:
+                        scope_of.pop(key, None)
+                self.add_removed_event(removing)
+                i += len(removing)
+                continue
             elif kind == EV_REMOVED_LIFE_CYCLE:
                 self.add_removed_life_cycle_event(key, lc)
             else:  # EV_UPDATED (_Launch keeps no other kind)
@@ -713,16 +715,18 @@ _KIND_ROLE[[EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE]] = _HEADER
 
 class _Launch:
     """One launch's change log, decoded with array operations instead of per
-    record. ``fields`` and ``keys``: for each record that can make an event,
-    in log order, its ``[kind, life cycle, old level, level]`` and its block
-    key. ``headers``: columns with a row per stored header, in log order:
-    block hash, parent key, parent hash, whether the parent is a root, the
-    covering pages, the payload, and the chain run (``_chain_runs``). Nothing here is event state (the
-    token objects are shared, safely), so an interrupt while building it
-    changes nothing. Malformed records raise ValueError here, before the
-    event manager applies any."""
+    record. ``fields``, ``keys`` and ``spans``: for each record that can make
+    an event, in log order, its ``[kind, life cycle, old level, level]``,
+    its block key, and how many records from it on go in together (a chain
+    of stores it starts, ``_continues_chain``, or a run of removals it starts;
+    else 1; only a run's first record is read). ``headers``: columns with a
+    row per stored header, in log order: block hash, parent key, parent
+    hash, whether the parent is a root, the covering pages, the payload.
+    Nothing here is event state (the token objects are shared, safely), so
+    an interrupt while building it changes nothing. Malformed records raise
+    ValueError here, before the event manager applies any."""
 
-    __slots__ = ("fields", "keys", "headers")
+    __slots__ = ("fields", "keys", "spans", "headers")
 
     def __init__(self, records: np.ndarray, log_tokens: np.ndarray, event_hash: str,
                  digest_of_token: Callable[[int], bytes], unique: _UniqueTokens, first: int = 0):
@@ -731,10 +735,9 @@ class _Launch:
         role = _KIND_ROLE.take(kinds, mode="clip")
         is_info = role == _INFO
         # The record each page info belongs to: the last record before it that
-        # is no page info (-1 before the first, which reads the role of the
-        # last record: an unknown kind or a page info, both rejected).
+        # is no page info (-1 when there is none).
         owner = np.maximum.accumulate(np.where(is_info, -1, np.arange(len(kinds))))
-        bad = np.flatnonzero((role == _UNKNOWN) | is_info & (role[owner] != _HEADER))
+        bad = np.flatnonzero((role == _UNKNOWN) | is_info & ((owner < 0) | (role[owner] != _HEADER)))
         if bad.size:
             i = int(bad[0])
             if role[i] == _UNKNOWN:
@@ -744,9 +747,15 @@ class _Launch:
         rows = records[role >= _EVENT]
         self.fields = rows[:, [LOG_KIND, LOG_LIFE_CYCLE, LOG_OLD_LEVEL, LOG_LEVEL]].tolist()
         self.keys = _keys(rows, LOG_DIGEST)
+        removal = rows[:, LOG_KIND] == EV_REMOVED
+        removal[1:] &= removal[:-1]  # a removal joins the one before it
+        if len(removal):
+            removal[0] = False
+        spans = _runs(removal) if removal.any() else np.ones(len(rows), dtype=np.int64)
         headers = np.flatnonzero(role == _HEADER)
         if not headers.size:
-            self.headers = ((),) * 7
+            self.spans = spans.tolist()
+            self.headers = ((),) * 6
             return
         h = records[headers]
         # Covering page infos, grouped by header (they follow it, ascending).
@@ -760,19 +769,22 @@ class _Launch:
         # The life cycles that cover each header, as bits (a config has few).
         covered = np.bincount(np.searchsorted(headers, owner[covers]), weights=np.exp2(records[covers, LOG_LIFE_CYCLE]),
                               minlength=len(headers))
+        position = np.cumsum(role >= _EVENT)[headers] - 1  # among the records that make events
+        continues = _continues_chain(h, position, covered)
+        if continues.any():
+            spans[position] = _runs(continues)
+        self.spans = spans.tolist()
         self.headers = (_hashes(h, LOG_DIGEST, event_hash, keys), parent_keys,
                         _hashes(h, LOG_PARENT_DIGEST, event_hash, parent_keys),
-                        h[:, LOG_PARENT_IS_ROOT].tolist(), covering, payloads,
-                        _chain_runs(h, np.cumsum(role >= _EVENT)[headers], covered))
+                        h[:, LOG_PARENT_IS_ROOT].tolist(), covering, payloads)
 
 
-def _chain_runs(headers: np.ndarray, position: np.ndarray, covered: np.ndarray) -> list:
-    """Per stored header, the number of headers from it on that form a chain
-    it starts (1 for a header alone; only a run's first header is read): a
-    header continues the one before when both are whole-block stores
-    (EV_STORED_BLOCK), next to each other among the records that make
-    events (``position``), covered in the same, not no, life cycles
-    (``covered``: their bits), and its parent is that header's block."""
+def _continues_chain(headers: np.ndarray, position: np.ndarray, covered: np.ndarray) -> np.ndarray:
+    """Per stored header, whether it continues the chain of the one before:
+    both are whole-block stores (EV_STORED_BLOCK), next to each other among
+    the records that make events (``position``), covered in the same, not
+    no, life cycles (``covered``: their bits), and its parent is that
+    header's block. The first header continues nothing."""
     continues = np.zeros(len(headers), dtype=bool)
     store = headers[:, LOG_KIND] == EV_STORED_BLOCK
     continues[1:] = (
@@ -781,10 +793,19 @@ def _chain_runs(headers: np.ndarray, position: np.ndarray, covered: np.ndarray) 
         & (headers[1:, LOG_PARENT_IS_ROOT] == 0)
         & (headers[1:, LOG_PARENT_DIGEST : LOG_PARENT_DIGEST + 4] == headers[:-1, LOG_DIGEST : LOG_DIGEST + 4]).all(axis=1)
     )
-    runs = np.ones(len(headers), dtype=np.int64)
-    starts = np.flatnonzero(~continues)
-    runs[starts] = np.diff(np.append(starts, len(headers)))
-    return runs.tolist()
+    return continues
+
+
+def _runs(joins: np.ndarray) -> np.ndarray:
+    """For each element, the length of the run it starts (1 where it starts
+    none), where ``joins[k]`` says element k joins the run of element k - 1
+    (``joins[0]`` must be False)."""
+    runs = np.ones(len(joins), dtype=np.int64)
+    starts = np.flatnonzero(~joins)
+    ends = np.empty_like(starts)
+    ends[:-1], ends[-1:] = starts[1:], len(joins)
+    runs[starts] = ends - starts
+    return runs
 
 
 def _keys(rows: np.ndarray, col: int) -> list:

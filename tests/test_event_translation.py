@@ -398,5 +398,10 @@ def test_malformed_records_are_rejected_before_any_applies():
     bad[-1, LOG_KIND] = 99
     with pytest.raises(ValueError, match=f"log record {len(records)}: unknown kind 99"):
         em.on_records(bad, tokens)
+    log.header(EV_STORED_BLOCK, log.new_block(), pages=[(0, 1)])
+    header_last, tokens = log.launch(0)
+    info_first = np.concatenate([header_last[1:], header_last[:1]])  # a page info before any header
+    with pytest.raises(ValueError, match="log record 0: a page info record without a stored header"):
+        em.on_records(info_first, tokens)
     em.flush_iteration_events()
     assert em.get_latest_events() == []
