@@ -326,7 +326,7 @@ class GpukvKVCacheManager:
             raise ValueError(f"request {request.request_id!r} holds blocks already: it has no new prefix hit to adopt")
         # The running request's path, once per request per step: counts only.
         have = state.num_blocks
-        new = max(_cdiv(min(total_computed + num_new_tokens, self.max_model_len), T) - have, 0)
+        new = max(-(-min(total_computed + num_new_tokens, self.max_model_len) // T) - have, 0)
         if new or watermark or reserved_blocks or full_sequence_must_fit:
             full_new = max(_cdiv(min(request.num_tokens, self.max_model_len), T) - have, 0)
 
@@ -412,8 +412,9 @@ class GpukvKVCacheManager:
         if not self.enable_caching:
             return
         T = self._T
-        num_tokens = min(num_tokens, state.num_blocks * T, len(state.request.block_hashes) * T)
-        self._step.commit(state, num_tokens // T * T)
+        target = min(num_tokens, state.num_blocks * T, len(state.request.block_hashes) * T) // T * T
+        if target > state.target:  # most calls of a decode step complete no block
+            self._step.commit(state, target)
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks up to ``num_computed_tokens``."""
