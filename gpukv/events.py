@@ -737,7 +737,7 @@ class _Launch:
         # The record each page info belongs to: the last record before it that
         # is no page info (-1 when there is none).
         owner = np.maximum.accumulate(np.where(is_info, -1, np.arange(len(kinds))))
-        bad = np.flatnonzero((role == _UNKNOWN) | is_info & ((owner < 0) | (role[owner] != _HEADER)))
+        bad = ((role == _UNKNOWN) | is_info & ((owner < 0) | (role[owner] != _HEADER))).nonzero()[0]
         if bad.size:
             i = int(bad[0])
             if role[i] == _UNKNOWN:
@@ -752,27 +752,28 @@ class _Launch:
         if len(removal):
             removal[0] = False
         spans = _runs(removal) if removal.any() else np.ones(len(rows), dtype=np.int64)
-        headers = np.flatnonzero(role == _HEADER)
+        headers = (role == _HEADER).nonzero()[0]
         if not headers.size:
             self.spans = spans.tolist()
             self.headers = ((),) * 6
             return
         h = records[headers]
         # Covering page infos, grouped by header (they follow it, ascending).
-        covers = np.flatnonzero(is_info & (records[:, LOG_COVERS] != 0))
+        covers = (is_info & (records[:, LOG_COVERS] != 0)).nonzero()[0]
         pages = records[covers][:, [LOG_LIFE_CYCLE, LOG_LEVEL, LOG_PRIORITY]].tolist()
-        lo = np.searchsorted(owner[covers], headers, "left")
-        hi = np.searchsorted(owner[covers], headers, "right")
+        covering_owner = owner[covers]
+        lo, hi = covering_owner.searchsorted(headers, "left"), covering_owner.searchsorted(headers, "right")
         covering = [pages[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
-        payloads = _payloads(h, np.flatnonzero(hi > lo), log_tokens, digest_of_token, unique)
+        payloads = _payloads(h, (hi > lo).nonzero()[0], log_tokens, digest_of_token, unique)
         keys, parent_keys = _keys(h, LOG_DIGEST), _keys(h, LOG_PARENT_DIGEST)
-        # The life cycles that cover each header, as bits (a config has few).
-        covered = np.bincount(np.searchsorted(headers, owner[covers]), weights=np.exp2(records[covers, LOG_LIFE_CYCLE]),
-                              minlength=len(headers))
-        position = np.cumsum(role >= _EVENT)[headers] - 1  # among the records that make events
-        continues = _continues_chain(h, position, covered)
-        if continues.any():
-            spans[position] = _runs(continues)
+        if len(headers) > 1:  # a chain of stores to find
+            # The life cycles that cover each header, as bits (a config has few).
+            covered = np.bincount(headers.searchsorted(covering_owner), weights=np.exp2(records[covers, LOG_LIFE_CYCLE]),
+                                  minlength=len(headers))
+            position = np.cumsum(role >= _EVENT)[headers] - 1  # among the records that make events
+            continues = _continues_chain(h, position, covered)
+            if continues.any():
+                spans[position] = _runs(continues)
         self.spans = spans.tolist()
         self.headers = (_hashes(h, LOG_DIGEST, event_hash, keys), parent_keys,
                         _hashes(h, LOG_PARENT_DIGEST, event_hash, parent_keys),
@@ -788,7 +789,7 @@ def _continues_chain(headers: np.ndarray, position: np.ndarray, covered: np.ndar
     continues = np.zeros(len(headers), dtype=bool)
     store = headers[:, LOG_KIND] == EV_STORED_BLOCK
     continues[1:] = (
-        store[1:] & store[:-1] & (np.diff(position) == 1)
+        store[1:] & store[:-1] & (position[1:] - position[:-1] == 1)
         & (covered[1:] == covered[:-1]) & (covered[1:] != 0)
         & (headers[1:, LOG_PARENT_IS_ROOT] == 0)
         & (headers[1:, LOG_PARENT_DIGEST : LOG_PARENT_DIGEST + 4] == headers[:-1, LOG_DIGEST : LOG_DIGEST + 4]).all(axis=1)
@@ -801,7 +802,7 @@ def _runs(joins: np.ndarray) -> np.ndarray:
     none), where ``joins[k]`` says element k joins the run of element k - 1
     (``joins[0]`` must be False)."""
     runs = np.ones(len(joins), dtype=np.int64)
-    starts = np.flatnonzero(~joins)
+    starts = (~joins).nonzero()[0]
     ends = np.empty_like(starts)
     ends[:-1], ends[-1:] = starts[1:], len(joins)
     runs[starts] = ends - starts
