@@ -2,7 +2,8 @@
 
 ``tables.Tables`` allocates and grows the tables; the rules here say to what
 size, and ``memory.index_memory`` adds up the same sizes without allocating.
-Block-indexed tables start at ``INITIAL_BLOCK_ROWS`` and double, or with
+Block-indexed tables start at ``INITIAL_BLOCK_ROWS`` (or
+``CacheConfig.initial_blocks``) and double, or with
 ``CacheConfig.max_blocks`` are allocated at that size once. The change log
 and the page-copy list are kept within fixed byte budgets whatever the tree's
 size (``CHANGE_LOG_BUDGET``, ``COPY_LIST_BUDGET``); what one launch needs of
@@ -95,7 +96,8 @@ def preallocated_sizes(config: CacheConfig) -> dict:
     the change log, at its budget with ``max_blocks`` (``log_budget``), else
     small, growing up to the budget."""
     if config.max_blocks is None:
-        return {"blocks": INITIAL_BLOCK_ROWS, "log": LOG_MIN_ROWS, "log_tokens": LOG_TOKENS_MIN_ROWS}
+        blocks = INITIAL_BLOCK_ROWS if config.initial_blocks is None else max(INITIAL_BLOCK_ROWS, pow2_at_least(config.initial_blocks))
+        return {"blocks": blocks, "log": LOG_MIN_ROWS, "log_tokens": LOG_TOKENS_MIN_ROWS}
     log_rows, tokens_rows = log_budget(config.tokens_per_block)
     return {"blocks": config.max_blocks, "log": log_rows, "log_tokens": tokens_rows}
 

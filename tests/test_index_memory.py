@@ -172,3 +172,29 @@ def test_a_batched_decode_step_leaves_growing_tables_as_they_are(backend):
 def test_max_blocks_is_validated(bad):
     with pytest.raises(gpukv.ConfigError, match="max_blocks"):
         gpukv.CacheConfig(max_blocks=bad)
+
+
+def test_initial_blocks_start_the_growing_tables_at_that_size():
+    """The workload that grew the default tables to 512 rows fits in tables
+    started at 300 rows (512, a power of two): no table is reallocated, and
+    past them they still double."""
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=2000, initial_blocks=300)
+    assert mgr._tables.num_rows == 512 == gpukv.index_memory(mgr.config).blocks
+    before = {f: (id(a), _pointer(a)) for f, a in _device_arrays(mgr).items() if f in ("blocks", "tokens", "slots")}
+    introspect.insert_sequence(mgr, list(range(1, 4 * 300 + 1)))
+    after = {f: (id(a), _pointer(a)) for f, a in _device_arrays(mgr).items() if f in ("blocks", "tokens", "slots")}
+    assert before == after and mgr._tables.num_rows == 512
+    introspect.insert_sequence(mgr, list(range(5000, 5000 + 4 * 300)))  # 600 blocks in all: past 512 rows
+    assert mgr._tables.num_rows == 1024
+    introspect.check_sanity(mgr)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
+def test_initial_blocks_is_validated(bad):
+    with pytest.raises(gpukv.ConfigError, match="initial_blocks"):
+        gpukv.CacheConfig(initial_blocks=bad)
+
+
+def test_initial_blocks_and_max_blocks_exclude_each_other():
+    with pytest.raises(gpukv.ConfigError, match="initial_blocks is for tables that grow"):
+        gpukv.CacheConfig(initial_blocks=512, max_blocks=512)

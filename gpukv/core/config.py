@@ -132,6 +132,11 @@ class CacheConfig:
     # grow (a call that would need more rows is refused). None: start small
     # and grow by doubling.
     max_blocks: int | None = None
+    # Without max_blocks: block rows to start with (rounded up to a power of
+    # two), still growing by doubling past them. An engine that knows its
+    # steady state (about a block per full-attention page) pays no doubling
+    # while it serves. None: a small start.
+    initial_blocks: int | None = None
 
     def __post_init__(self):
         if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__iter__"):
@@ -189,6 +194,10 @@ class CacheConfig:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.max_blocks is not None:
             positive_int("max_blocks", self.max_blocks, minimum=MIN_MAX_BLOCKS)
+        if self.initial_blocks is not None:
+            positive_int("initial_blocks", self.initial_blocks)
+            if self.max_blocks is not None:
+                raise ConfigError("initial_blocks is for tables that grow: with max_blocks they start at max_blocks")
         if self.ssm_life_cycle_id is not None and not self.commit_min_snapshot:
             raise ConfigError("commit_min_snapshot must be True when an Ssm layer exists")
 
