@@ -283,7 +283,7 @@ class KVCacheEventManager:
         """Apply a launch's records in log order. Everything per record was
         decoded by ``_Launch``; what is left here is the order-dependent part
         of the rules (announcements, scopes, removal buffering, chains)."""
-        stored, scope_of = self._stored, self._scope_of
+        scope_of = self._scope_of
         fields, keys, spans = launch.fields, launch.keys, launch.spans
         hashes, parent_keys, parent_hashes, at_roots, coverings, payloads = launch.headers
         i, h, n = 0, 0, len(fields)  # the record, and the stored header it is when it is one
