@@ -299,8 +299,9 @@ class KVCacheEventManager:
                 else:
                     scope = scope_of.get(parent_keys[h]) if scope_of else None
                 run = spans[i]
-                # A chain inherits its first block's scope, unless a block of
-                # it left without one is known to a scope still (then block by block).
+                # Every block of a chain takes its parent's scope, so the
+                # first block's, unless that is none and a block of the chain
+                # is still recorded with one: then block by block.
                 if run > 1 and (scope is not None or not scope_of or scope_of.keys().isdisjoint(keys[i:i + run - 1])):
                     self._store_chain(keys[i:i + run], hashes[h:h + run], parent_hash, scope,
                                       coverings[h:h + run], payloads[h:h + run])
