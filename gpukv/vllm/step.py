@@ -81,6 +81,7 @@ class StepCalls:
         self._record_new_ids = record_new_ids
         self.alloc: list[RequestState] = []
         self.commits: list[RequestState] = []
+        self._first_queued: set = set()  # the block hash of each queued commit's first block (affects)
         self.closes: list = []
         # What the queued allocations take out of the obtainable count: new
         # pages, and hit pages that are eviction candidates now. The latter is
@@ -129,15 +130,10 @@ class StepCalls:
             return True
         if self.pending_new and self.pending_new > self.free():
             return True  # a queued allocation evicts: maybe a block this request would hit
-        hashes = request.block_hashes
-        n = len(hashes)
-        T = self._T
-        for s in self.commits:
-            # Hashes chain: matching any queued block of s means matching its first one.
-            f = s.committed // T
-            if f < n and f < s.target // T and hashes[f] == s.request.block_hashes[f]:
-                return True
-        return False
+        # Hashes chain: a block hash names its whole prefix, so the request
+        # would match a queued block exactly when its hashes hold the first
+        # queued block of some commit.
+        return not self._first_queued.isdisjoint(request.block_hashes)
 
     # -- queueing -----------------------------------------------------------------
     @property
@@ -154,12 +150,17 @@ class StepCalls:
             self.alloc.append(state)
 
     def commit(self, state: RequestState, target: int) -> None:
+        """Queue ``state``'s commit up to ``target`` tokens."""
         if target <= state.target:
             return
         state.target = target
         if not state.in_commit:
             state.in_commit = True
             self.commits.append(state)
+            hashes = state.request.block_hashes
+            first = state.committed // self._T
+            if first < len(hashes):  # else a partial tail only, which no lookup finds by hash
+                self._first_queued.add(hashes[first])
 
     def close(self, state: RequestState) -> None:
         state.freed = True
@@ -292,6 +293,7 @@ class StepCalls:
 
     def _issue_commits(self) -> None:
         commits, self.commits = self.commits, []
+        self._first_queued = set()
         live = [s for s in commits if s.target > s.committed]
         for s in commits:
             s.in_commit = False
