@@ -358,9 +358,9 @@ class CacheCalls:
 
     def admit(self, match, capacities, entries, priority_callbacks, made: list) -> np.ndarray:
         """New caches for requests of ``match`` (``entries``: which, None: all),
-        each set up on what the match found, resumed and resized to
-        ``capacities[i]`` in one launch; one bool per cache, False where it
-        was left SUSPENDED (pages short). ``made`` as ``_create`` takes it."""
+        each set up on what the match found, then each resumed and resized to
+        ``capacities[i]``, in one launch; one bool per cache, False where pages
+        were short. ``made`` as ``_create`` takes it."""
         what = "admit_batch()"
         naming = Admissions(what)
         stamp = match.stamp if isinstance(match, BatchMatch) else None
@@ -402,16 +402,23 @@ class CacheCalls:
         taken = []
         try:
             slots = self._new_caches([scope_list[i] for i in idx.tolist()], with_room(rows), callbacks, made, taken)
-            # Every cache holds its prefix before any allocates: an eviction
-            # for one cannot take a block another's match found.
+            for slot, values in self._ask_priorities(naming, slots, rows):  # the new caches' segments have room
+                self.pool.store_priorities(slot, values)
+            # One launch, the setups first: every cache holds its prefix before
+            # any allocates, so an eviction for one cannot take a block another's
+            # match found (a launch split for the change log keeps that order).
             go = np.flatnonzero(nblocks > 0)
-            if go.size:
-                self._launch(None, slots[go], SEQ_SETUP_MATCHED, (matched[go], nblocks[go]), span=nblocks[go],
-                             path=np.asarray(m.block_ids, dtype=np.int64)[ranges(offsets[idx[go]], nblocks[go])],
-                             path_off=_offsets(nblocks[go]))
+            items = np.concatenate([slots[go], slots])
+            ops = np.concatenate([np.full(go.size, SEQ_SETUP_MATCHED), np.full(n, SEQ_ADMIT)])
+            args = tuple(np.concatenate([v[go], v]) for v in (matched, nblocks, np.where(sized, cap, -1)))
             k = self.pool.scratch_width
-            self._launch(naming, slots, SEQ_ADMIT, (np.where(sized, cap, -1),), priorities=rows, span=rows,
-                         allocated=rows + k + 3)  # a resume's (hit pages back, its copies) and a resize's
+            # allocated: a resume's (hit pages back, its copies) and a resize's
+            span = np.concatenate([nblocks[go], rows])
+            allocated = np.concatenate([np.zeros(go.size, dtype=np.int64), rows + k + 3])
+            path_counts = np.concatenate([nblocks[go], np.zeros(n, dtype=np.int64)])
+            self._launch(naming, items, ops, args, span=span, allocated=allocated,
+                         path=np.asarray(m.block_ids, dtype=np.int64)[ranges(offsets[idx[go]], nblocks[go])],
+                         path_off=_offsets(path_counts))
             ok = self.pool.host_scalars[slots, Q_RESULT] != 0
             refused = np.flatnonzero(~ok)
             if refused.size:  # a cache left SUSPENDED keeps no room it could not use

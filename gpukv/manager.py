@@ -188,7 +188,7 @@ class KVCacheManager:
     def admit_batch(self, match, capacities, entries=None, priority_callbacks=None) -> tuple:
         """``(caches, ok)``: requests of an earlier ``match_batch`` as new
         caches, each holding what the match found for it, resumed and resized
-        to ``capacities[i]``, in two launches and no second match: what
+        to ``capacities[i]``, in one launch and no second match: what
         ``create_kv_caches`` of the same requests does, then per cache in
         order ``kv.resume() and kv.resize(capacities[i])``. ``entries``:
         which of the match's requests, in order (None: all; one may come

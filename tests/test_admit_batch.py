@@ -184,3 +184,41 @@ def test_a_match_keeps_its_stamp_on_the_host():
     caches, ok = mgr.admit_batch(h, [12])
     assert ok.all()
     caches[0].close()
+
+
+def test_priority_callbacks_give_the_new_pages_their_priorities():
+    mgr = manager("cpu", partial=False)
+    cached(mgr, PREFIX[:8])
+    asked = []
+
+    def callback(ordinal, lc):
+        asked.append(ordinal)
+        return 60 + ordinal
+
+    m = mgr.match_batch([PREFIX[:8] + [1, 2], [7, 7]])
+    caches, ok = mgr.admit_batch(m, [4 * T, 2 * T], priority_callbacks=[callback, None])
+    assert ok.all() and asked == [0, 1, 2, 3]  # asked once per ordinal, before the launch
+    for kv in caches:
+        kv.commit([3] * (kv.capacity - kv.num_committed_tokens))
+    pages = introspect.tables(mgr)["pages"]
+    priority = {int(r["pool_index"]): int(r["priority"]) for r in pages if r["state"] != 0}
+    first = [priority[p] for p in caches[0].page_indices(0)]
+    assert first[2:] == [62, 63]  # its new blocks; the first two are the tree's, priced when cached
+    assert [priority[p] for p in caches[1].page_indices(0)] == [35, 35]  # the default
+    for kv in caches:
+        kv.close()
+
+
+def test_a_raising_priority_callback_changes_nothing():
+    mgr = manager("cpu")
+    cached(mgr, PREFIX)
+    m = mgr.match_batch([PREFIX])
+    before = snapshot(mgr)
+
+    def callback(ordinal, lc):
+        raise RuntimeError("no")
+
+    with pytest.raises(ValueError, match=r"admission 0: priority_callback\(0, 0\) raised RuntimeError"):
+        mgr.admit_batch(m, [16], priority_callbacks=[callback])
+    assert snapshot(mgr) == before and mgr.is_current(m)
+    mgr.shutdown()

@@ -336,8 +336,10 @@ SETUP_ARGS = Layout("setup_args", np.int64, [("num_tokens", 1), ("num_blocks", 1
 RESIZE_ARGS = Layout("resize_args", np.int64, [("capacity", 1), ("history", 1)])
 COMMIT_ARGS = Layout("commit_args", np.int64, [("first", 1), ("count", 1), ("is_end", 1)])
 CLOSE_ARGS = Layout("close_args", np.int64, [("evict_first", 1)])
-# A capacity below zero: resume only (the host refused the sizing).
-ADMIT_ARGS = Layout("admit_args", np.int64, [("capacity", 1)])
+# An admission's arguments, for its setup (SEQ_SETUP_MATCHED reads the first
+# two as SETUP_ARGS) and its sizing: a capacity below zero resumes only (the
+# host refused the sizing).
+ADMIT_ARGS = Layout("admit_args", np.int64, [("num_tokens", 1), ("num_blocks", 1), ("capacity", 1)])
 
 
 def slot_row(block, life_cycle, num_life_cycles):
@@ -547,7 +549,9 @@ COMMIT_IS_END = 2
 
 CLOSE_EVICT_FIRST = 0
 
-ADMIT_CAPACITY = 0
+ADMIT_NUM_TOKENS = 0
+ADMIT_NUM_BLOCKS = 1
+ADMIT_CAPACITY = 2
 
 BLK_WIDTH = BLOCKS.width
 PAGE_WIDTH = PAGES.width
@@ -579,3 +583,4 @@ for _layout, _prefix in (
 assert ADD_ARGS.width <= TREE_ARGS_WIDTH and INSERT_ARGS.width <= TREE_ARGS_WIDTH
 assert max(a.width for a in (SETUP_ARGS, RESIZE_ARGS, COMMIT_ARGS, CLOSE_ARGS, ADMIT_ARGS)) <= SEQ_ARGS_WIDTH
 assert INSERT_ROOT_DIGEST == ADD_ROOT_DIGEST
+assert (ADMIT_NUM_TOKENS, ADMIT_NUM_BLOCKS) == (SETUP_NUM_TOKENS, SETUP_NUM_BLOCKS)
