@@ -356,12 +356,15 @@ class CacheCalls:
         return self._create(queries, arrays, as_scope(scopes) if _one_scope(scopes) else scope_list, scope_list,
                             callbacks, made)
 
-    def admit(self, match, capacities, entries, priority_callbacks, made: list) -> np.ndarray:
+    def admit(self, match, capacities, entries, priority_callbacks, made: list, grow=None) -> tuple:
         """New caches for requests of ``match`` (``entries``: which, None: all),
         each set up on what the match found, then each resumed and resized to
-        ``capacities[i]``, in one launch; one bool per cache, False where pages
-        were short. ``made`` as ``_create`` takes it."""
-        what = "admit_batch()"
+        ``capacities[i]``, in one launch; with ``grow`` (``(caches,
+        capacities)``) those ACTIVE caches are resized in the same launch,
+        after the setups and before the admissions allocate. ``(grown, ok)``:
+        a bool per grown cache (None without ``grow``) and per admission,
+        False where pages were short. ``made`` as ``_create`` takes it."""
+        what = "admit_batch()" if grow is None else "allocate_batch()"
         naming = Admissions(what)
         stamp = match.stamp if isinstance(match, BatchMatch) else None
         if stamp is None:
@@ -383,10 +386,8 @@ class CacheCalls:
             idx = self.ints(entries, len(entries), "entries", what)
             naming.check(idx >= B, ValueError, "entries names request {} of a match of {}", idx, B)
         n = len(idx)
-        cap = self.ints(capacities, n, "capacities", what)
+        cap = self.ints(capacities, n, "capacities" if grow is None else "admit_capacities", what)
         callbacks = self._callbacks(priority_callbacks, n, what)
-        if not n:
-            return np.zeros(0, dtype=bool)
         m = match if isinstance(match.num_tokens, np.ndarray) else match.to_host()
         matched = np.asarray(m.num_tokens, dtype=np.int64)[idx]
         offsets = np.asarray(m.block_offsets, dtype=np.int64)
@@ -394,40 +395,83 @@ class CacheCalls:
         naming.check(cap < matched, ValueError, "capacity {} is below the {} tokens it reuses", cap, matched)
         blocks = -(-cap // self.T)
         # Sizes no pool could ever give are refused before the launch: those
-        # caches are only set up (capacity -1), as a refused resize leaves them.
+        # caches are only resumed (capacity -1), as a refused resize leaves them.
         sized = pools_can_hold(self.pool.hold_rules, self.T, nblocks, blocks, matched) & (blocks <= self.pool.max_blocks)
         rows = np.maximum(nblocks, blocks)
+        growth = grown = None
+        if grow is not None:
+            growth, grown = self._plan_growth(grow, what)
+        if not n and growth is None:
+            return grown, np.zeros(0, dtype=bool)
         scopes = stamp.scopes
         scope_list = [as_scope(scopes)] * B if _one_scope(scopes) else scopes
         taken = []
         try:
-            slots = self._new_caches([scope_list[i] for i in idx.tolist()], with_room(rows), callbacks, made, taken)
-            for slot, values in self._ask_priorities(naming, slots, rows):  # the new caches' segments have room
+            if growth is not None:  # asked first: a raising callback changes nothing
+                g_naming, go_g, gs, gc, gh, g_have, g_blocks = growth
+                g_asked = self._ask_priorities(g_naming, gs, g_blocks)
+            slots = self._new_caches([scope_list[i] for i in idx.tolist()], with_room(rows), callbacks, made, taken) \
+                if n else np.zeros(0, dtype=np.int64)
+            asked = self._ask_priorities(naming, slots, rows) if n else []
+            if growth is not None:
+                reserved = self.pool.seg[gs, 1].copy()
+                self.pool.reserve(gs, g_blocks)
+                asked = g_asked + asked
+            for slot, values in asked:  # every segment has room now
                 self.pool.store_priorities(slot, values)
             # One launch, the setups first: every cache holds its prefix before
             # any allocates, so an eviction for one cannot take a block another's
             # match found (a launch split for the change log keeps that order).
             go = np.flatnonzero(nblocks > 0)
-            items = np.concatenate([slots[go], slots])
-            ops = np.concatenate([np.full(go.size, SEQ_SETUP_MATCHED), np.full(n, SEQ_ADMIT)])
-            args = tuple(np.concatenate([v[go], v]) for v in (matched, nblocks, np.where(sized, cap, -1)))
             k = self.pool.scratch_width
+            none = np.zeros(go.size, dtype=np.int64)
+            parts = [  # (slots, op, args, span, allocated, matched blocks)
+                (slots[go], SEQ_SETUP_MATCHED, (matched[go], nblocks[go], none), nblocks[go], none, nblocks[go]),
+            ]
+            if growth is not None:
+                zeros = np.zeros(len(gs), dtype=np.int64)
+                # span: the old blocks (stale ones, a shrink) and the new
+                parts.append((gs, SEQ_RESIZE, (gc, gh, zeros), np.maximum(g_have, g_blocks),
+                              np.maximum(0, g_blocks - g_have) + k + 1, zeros))
             # allocated: a resume's (hit pages back, its copies) and a resize's
-            span = np.concatenate([nblocks[go], rows])
-            allocated = np.concatenate([np.zeros(go.size, dtype=np.int64), rows + k + 3])
-            path_counts = np.concatenate([nblocks[go], np.zeros(n, dtype=np.int64)])
-            self._launch(naming, items, ops, args, span=span, allocated=allocated,
+            parts.append((slots, SEQ_ADMIT, (matched, nblocks, np.where(sized, cap, -1)), rows, rows + k + 3,
+                          np.zeros(n, dtype=np.int64)))
+            column = lambda j: np.concatenate([p[j] for p in parts])  # noqa: E731 (one column of the launch's items)
+            items = column(0)
+            ops = np.concatenate([np.full(len(p[0]), p[1]) for p in parts])
+            args = tuple(np.concatenate([p[2][c] for p in parts]) for c in range(3))
+            self._launch(naming, items, ops, args, span=column(3), allocated=column(4),
                          path=np.asarray(m.block_ids, dtype=np.int64)[ranges(offsets[idx[go]], nblocks[go])],
-                         path_off=_offsets(path_counts))
+                         path_off=_offsets(column(5)))
+            if growth is not None:
+                grown = self._resized(gs, reserved, go_g, len(grow[0]))
             ok = self.pool.host_scalars[slots, Q_RESULT] != 0
             refused = np.flatnonzero(~ok)
             if refused.size:  # a cache left SUSPENDED keeps no room it could not use
                 self.pool.trim(slots[refused], nblocks[refused])
             self._record_lookups(np.asarray(m.num_lookup_tokens, dtype=np.int64)[idx], matched)
-            return ok
+            return grown, ok
         except BaseException:
             self._undo_create(made, taken)
             raise
+
+    def _plan_growth(self, grow, what: str) -> tuple:
+        """``allocate_batch``'s resizes, checked as ``resize_batch`` checks
+        them: ``(plan, grown)``, ``plan`` None when none goes ahead (then
+        ``grown`` is their all-False result), else ``(naming, go, slots, cap,
+        hist, have, blocks)`` (``_plan_resize``'s)."""
+        if not (isinstance(grow, tuple) and len(grow) == 2):
+            raise TypeError(f"{what}: grow must be a pair (caches, capacities)")
+        caches, capacities = grow
+        naming = Entries(what)
+        slots = self.slots(caches, what)
+        S = self.pool.host_scalars
+        naming.require(S[slots, Q_STATUS], ACTIVE)
+        cap = self.ints(capacities, len(slots), "capacities", what)
+        planned = self._plan_resize(naming, slots, cap, S[slots, Q_HISTORY]) if len(slots) else None
+        if planned is None:
+            return None, np.zeros(len(slots), dtype=bool)
+        return (naming, *planned), None
 
     def resume(self, caches) -> np.ndarray:
         naming = Entries("resume_batch()")
@@ -565,6 +609,36 @@ class CacheCalls:
     def _resize(self, naming, slots, cap, hist):
         """``resize(cap, hist)`` of each cache: True where done, False where a
         page pool is short (that cache unchanged)."""
+        planned = self._plan_resize(naming, slots, cap, hist)
+        if planned is None:
+            return False if type(slots) is not _ARRAY else np.zeros(len(slots), dtype=bool)
+        go, s, c, h, have, blocks = planned
+        k = self.pool.scratch_width
+        reserved = self.pool.seg[s, 1].copy() if type(s) is _ARRAY else int(self.pool.seg[s, 1])
+        self._launch(naming, s, SEQ_RESIZE, (c, h), segment=blocks, priorities=blocks,
+                     span=_max(have, blocks),  # the old blocks (stale ones, a shrink) and the new
+                     allocated=_max(0, blocks - have) + k + 1)
+        return self._resized(s, reserved, go, len(slots) if type(slots) is _ARRAY else None)
+
+    def _resized(self, s, reserved, go, n):
+        """The results of a launch's resizes of ``s`` (``_plan_resize``'s
+        picks; ``reserved``: their segments before it): a refused one keeps
+        no segment it reserved. For ``n`` caches of which ``go`` went (None:
+        one cache, or all)."""
+        done = self.pool.host_scalars[s, Q_RESULT] != 0
+        if not _all(done):
+            self.pool.trim(s[~done] if type(s) is _ARRAY else s, reserved[~done] if type(s) is _ARRAY else reserved)
+        if go is None:
+            return done
+        out = np.zeros(n, dtype=bool)
+        out[go] = done
+        return out
+
+    def _plan_resize(self, naming, slots, cap, hist):
+        """The checks of ``resize(cap, hist)`` for each cache (raising for bad
+        input), and those the host refuses before anything is allocated:
+        ``(go, slots, cap, hist, have, blocks)`` of the rest (``go``: their
+        positions, None: all), or None when none is left."""
         old_cap, old_hist, have = self._scalars(slots, Q_CAPACITY, Q_HISTORY, Q_NUM_BLOCKS)
         naming.check(hist < old_hist, ValueError, "history_length cannot decrease ({} < {})", hist, old_hist)
         naming.check(cap < hist, ValueError, "capacity {} is below history_length {}", cap, hist)
@@ -584,21 +658,8 @@ class CacheCalls:
         ok = pools_can_hold(self.pool.hold_rules, self.T, have, blocks, hist) & (blocks <= self.pool.max_blocks)
         picked, go = _select(ok, [slots, cap, hist, have, blocks])
         if picked is None:
-            return False if go is None else np.zeros(len(slots), dtype=bool)
-        s, c, h, have, blocks = picked
-        k = self.pool.scratch_width
-        reserved = self.pool.seg[s, 1].copy() if type(s) is _ARRAY else int(self.pool.seg[s, 1])
-        self._launch(naming, s, SEQ_RESIZE, (c, h), segment=blocks, priorities=blocks,
-                     span=_max(have, blocks),  # the old blocks (stale ones, a shrink) and the new
-                     allocated=_max(0, blocks - have) + k + 1)
-        done = self.pool.host_scalars[s, Q_RESULT] != 0
-        if not _all(done):  # a refused resize keeps no segment it reserved
-            self.pool.trim(s[~done] if type(s) is _ARRAY else s, reserved[~done] if type(s) is _ARRAY else reserved)
-        if go is None:
-            return done
-        out = np.zeros(len(slots), dtype=bool)
-        out[go] = done
-        return out
+            return None
+        return (go, *picked)
 
     def _commit(self, naming, slots, flat, count, end, interned):
         """``commit`` of ``count`` tokens of ``flat`` each (in order; for one

@@ -203,11 +203,29 @@ class KVCacheManager:
         prefix the match found is still there."""
         made = []  # closed again if the call raises after making them (_close_unreturned)
         try:
-            ok = self._launcher.guard.run("mgr.admit_batch()", self._calls.admit,
-                                          (match, capacities, entries, priority_callbacks, made), {})
+            _, ok = self._launcher.guard.run("mgr.admit_batch()", self._calls.admit,
+                                             (match, capacities, entries, priority_callbacks, made), {})
             return made, ok
         except BaseException:
             self._close_unreturned("mgr.admit_batch()", made)
+            raise
+
+    def allocate_batch(self, caches, capacities, match, admit_capacities, entries=None, priority_callbacks=None) -> tuple:
+        """``(resized, new_caches, admitted)``: a scheduler step's allocations
+        in one launch, ``resize_batch(caches, capacities)`` for the running
+        caches and ``admit_batch(match, admit_capacities, entries,
+        priority_callbacks)`` for the admissions. What the launch does: the
+        admissions hold their prefixes, then the running caches are resized
+        in order, then each admission is resumed and sized; bad input in
+        either part is refused before anything changes."""
+        made = []  # closed again if the call raises after making them (_close_unreturned)
+        try:
+            resized, ok = self._launcher.guard.run(
+                "mgr.allocate_batch()", self._calls.admit,
+                (match, admit_capacities, entries, priority_callbacks, made), {"grow": (caches, capacities)})
+            return resized, made, ok
+        except BaseException:
+            self._close_unreturned("mgr.allocate_batch()", made)
             raise
 
     def is_current(self, match) -> bool:

@@ -186,6 +186,7 @@ class StepCalls:
         evicts = self.pending_new > self.free()
         self.pending_new = self.pending_hits = 0
         T = self._T
+        growths = []  # resized in the admissions' launch
         if evicts:
             # Runs of admissions and of growths, each in decision order: what
             # one allocation evicts depends on what the earlier ones hold.
@@ -198,19 +199,25 @@ class StepCalls:
                 start = stop
         else:
             # Nothing is evicted: the order changes no outcome but which free
-            # page goes to whom. The growths first: vLLM's scheduler decides
-            # the running requests before the waiting ones.
-            runs = [run for run in ([s for s in alloc if s.kv is not None], [s for s in alloc if s.kv is None]) if run]
+            # page goes to whom. The growths first (vLLM's scheduler decides
+            # the running requests before the waiting ones), in the admissions'
+            # launch when they are admitted from their match (allocate_batch).
+            running = [s for s in alloc if s.kv is not None]
+            admissions = [s for s in alloc if s.kv is None]
+            if running and admissions and self._current_match(admissions) is not None:
+                runs, growths = [admissions], running
+            else:
+                runs = [run for run in (running, admissions) if run]
         copies = False
         have = [len(s.ids) for s in alloc]  # blocks each had (their pages never move: read once, at the end)
         for run in runs:
-            admission = run[0].kv is None
-            if admission:
-                ok = self._admit(run)
+            if run[0].kv is None:
+                ok = self._admit(run, growths)
                 # The one source of page copies in the adapter's configuration
                 # (no host tier, no commit_min_snapshot): the first resume's
                 # private copy of a hit that ends inside a block.
                 copies = copies or any(s.hit % T for s in run)
+                run = run + growths
             else:
                 ok = self._gk.resize_batch([s.kv for s in run], [s.num_blocks * T for s in run])
             if not ok.all():
@@ -219,21 +226,36 @@ class StepCalls:
                     f"gpukv refused pages the adapter had counted for request {bad.request.request_id!r} "
                     f"({bad.num_blocks} blocks): the obtainable-page count and the allocations disagree"
                 )
-            for s in run:
-                s.in_alloc = False
+        for s in alloc:
+            s.in_alloc = False
         self._take_new_blocks(alloc, have)
         if copies:
             self._take_copies()
 
-    def _admit(self, run: list) -> np.ndarray:
+    def _current_match(self, run: list):
+        """The gpukv match every request of ``run`` was looked up in, when
+        there is one and it is still current; else None."""
+        match = run[0].match[0] if run[0].match is not None else None
+        if match is not None and all(s.match is not None and s.match[0] is match for s in run) \
+                and self._gk.is_current(match):
+            return match
+        return None
+
+    def _admit(self, run: list, growths: list) -> np.ndarray:
         """The run's new caches, holding their hits, resumed and sized: from
         their lookups' gpukv match when it is one and still current (no
-        second match), else created from their hits' tokens."""
+        second match), with ``growths`` resized in the same launch, else
+        created from their hits' tokens. One bool per cache of ``run`` and
+        of ``growths``, in that order."""
         gk = self._gk
         T = self._T
         capacities = [s.num_blocks * T for s in run]
-        match = run[0].match[0] if run[0].match is not None else None
-        if match is not None and all(s.match is not None and s.match[0] is match for s in run) and gk.is_current(match):
+        match = self._current_match(run)
+        grown = np.ones(0, dtype=bool)
+        if match is not None and growths:
+            grown, kvs, ok = gk.allocate_batch([s.kv for s in growths], [s.num_blocks * T for s in growths], match,
+                                               capacities, entries=[s.match[1] for s in run])
+        elif match is not None:
             kvs, ok = gk.admit_batch(match, capacities, entries=[s.match[1] for s in run])
         else:
             kvs = gk.create_kv_caches([s.admit_tokens for s in run], scopes=[s.scope for s in run])
@@ -249,7 +271,7 @@ class StepCalls:
                     f"({kv.num_committed_tokens} reusable now); allocate_slots must follow get_computed_blocks "
                     "with no allocation or free in between"
                 )
-        return ok
+        return np.concatenate([ok, grown])
 
     def _take_new_blocks(self, alloc: list, have: list) -> None:
         """Append the blocks the issued allocations gave their requests to
