@@ -222,3 +222,30 @@ def test_a_raising_priority_callback_changes_nothing():
         mgr.admit_batch(m, [16], priority_callbacks=[callback])
     assert snapshot(mgr) == before and mgr.is_current(m)
     mgr.shutdown()
+
+
+def test_allocate_batch_refuses_either_part_by_name_and_changes_nothing():
+    mgr = manager("cpu")
+    cached(mgr, PREFIX)
+    running = mgr.create_kv_cache()
+    assert running.resume() and running.resize(2 * T)
+    running.commit([1] * (2 * T))
+    closed = mgr.create_kv_cache()
+    closed.close()
+    m = mgr.match_batch([PREFIX])
+    before = snapshot(mgr)
+    with pytest.raises(gpukv.LogicError, match=r"allocate_batch\(\): caches\[1\] is CLOSED"):
+        mgr.allocate_batch([running, closed], [3 * T, 3 * T], m, [12])
+    with pytest.raises(ValueError, match=r"allocate_batch\(\): caches\[0\]: capacity 4 is below history_length 8"):
+        mgr.allocate_batch([running], [T], m, [12])
+    with pytest.raises(ValueError, match=r"allocate_batch\(\): admission 0: capacity 6 is below the 10 tokens"):
+        mgr.allocate_batch([running], [3 * T], m, [6])
+    with pytest.raises(ValueError, match=r"admit_capacities has 2 entries for 1"):
+        mgr.allocate_batch([running], [3 * T], m, [12, 12])
+    assert snapshot(mgr) == before and running.capacity == 2 * T and mgr.is_current(m)
+    resized, caches, ok = mgr.allocate_batch([running], [3 * T], m, [12])
+    assert resized.tolist() == [True] and ok.tolist() == [True]
+    assert running.capacity == 3 * T and caches[0].num_committed_tokens == 10
+    for kv in (running, *caches):
+        kv.close()
+    mgr.shutdown()
