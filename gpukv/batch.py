@@ -41,11 +41,10 @@ caches, both input forms and every call's rules and table room, each once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from operator import attrgetter
 
 import numpy as np
 
+from . import inputs
 from .arena import TokenSequence
 from .cache import KVCache
 from .cache_pool import is_batch, ranges, with_room
@@ -74,7 +73,7 @@ from .core.layout import (
     SUSPENDED,
     USER_STOP,
 )
-from .core.scope import ReuseScope, as_scope
+from .core.scope import as_scope
 from .kernels.sha256 import digest_to_int64x4
 from .matching import BatchMatch
 from .table_sizes import (
@@ -88,8 +87,6 @@ from .table_sizes import (
 )
 from .tokens import ValidTokens, check_flat, flatten, token_array, tokens_and_digests
 
-_slot_of = attrgetter("_slot")
-_serial_of = attrgetter("_serial")
 _STATUS_NAMES = {SUSPENDED: "SUSPENDED", ACTIVE: "ACTIVE", CLOSED: "CLOSED"}
 
 
@@ -97,7 +94,6 @@ _STATUS_NAMES = {SUSPENDED: "SUSPENDED", ACTIVE: "ACTIVE", CLOSED: "CLOSED"}
 # (``type(x) is _ARRAY`` is ``cache_pool.is_batch`` without the call: these
 # run several times in every per-cache call)
 _ARRAY = np.ndarray
-_BOOLS = frozenset({bool, np.bool_})
 
 
 def _any(bad) -> bool:
@@ -288,9 +284,7 @@ class CacheCalls:
                 # only, and a digest no block holds need not be kept.
                 a = token_array(input_tokens, self.tables.lookup_digest)
                 arrays, queries = [a], [ValidTokens(a)]
-        if priority_callback is not None and not callable(priority_callback):
-            raise TypeError(f"priority_callback must be callable(ordinal, life_cycle_id) -> int, got {priority_callback!r}")
-        return self._create(queries, arrays, scope, [scope], [priority_callback], made)[0]
+        return self._create(queries, arrays, scope, [scope], [inputs.callback(priority_callback)], made)[0]
 
     def resume_one(self, slot: int) -> bool:
         _RESUME.require(self.pool.host_scalars[slot, Q_STATUS], SUSPENDED)
@@ -304,8 +298,8 @@ class CacheCalls:
     def resize_one(self, slot: int, capacity, history_length) -> bool:
         status, cap, hist = self._scalars(slot, Q_STATUS, Q_CAPACITY, Q_HISTORY)
         _RESIZE.require(status, ACTIVE)
-        cap = cap if capacity is None else _int("capacity", capacity)
-        hist = hist if history_length is None else _int("history_length", history_length)
+        cap = cap if capacity is None else inputs.non_negative_int("capacity", capacity)
+        hist = hist if history_length is None else inputs.non_negative_int("history_length", history_length)
         return bool(self._resize(_RESIZE, slot, cap, hist))
 
     def commit_one(self, slot: int, tokens, is_end):
@@ -337,11 +331,11 @@ class CacheCalls:
         one match launch for all, then one launch holding their reused pages
         (``made``: as ``_create`` takes it)."""
         what = "create_kv_caches()"
-        if not (_entries(requests) or isinstance(requests, np.ndarray) and requests.ndim == 2):
+        if not inputs.is_request_list(requests):
             raise TypeError(f"{what}: requests must be a list of token sequences, got {type(requests).__name__}")
         n = len(requests)
-        callbacks = self._callbacks(priority_callbacks, n, what)
-        scope_list = self._scope_list(scopes, n, what)
+        callbacks = inputs.callbacks(priority_callbacks, n, what)
+        scope_list = inputs.scope_list(scopes, n, what)
         b = self.backend
         queries, arrays = [], []
         for i, r in enumerate(requests):  # one conversion per request, as create_kv_cache does
@@ -353,7 +347,7 @@ class CacheCalls:
                 a = token_array(r, self.tables.lookup_digest, request=i)
                 arrays.append(a)
                 queries.append(ValidTokens(a))
-        return self._create(queries, arrays, as_scope(scopes) if _one_scope(scopes) else scope_list, scope_list,
+        return self._create(queries, arrays, as_scope(scopes) if inputs.one_scope(scopes) else scope_list, scope_list,
                             callbacks, made)
 
     def admit(self, match, capacities, entries, priority_callbacks, made: list, grow=None) -> tuple:
@@ -380,14 +374,14 @@ class CacheCalls:
         if entries is None:
             idx = np.arange(B, dtype=np.int64)
         else:
-            if not _entries(entries):
+            if not inputs.is_entry_list(entries):
                 raise TypeError(f"{what}: entries must be None or a list of the match's request indices, "
                                 f"got {type(entries).__name__}")
-            idx = self.ints(entries, len(entries), "entries", what)
+            idx = inputs.ints(entries, len(entries), "entries", what)
             naming.check(idx >= B, ValueError, "entries names request {} of a match of {}", idx, B)
         n = len(idx)
-        cap = self.ints(capacities, n, "capacities" if grow is None else "admit_capacities", what)
-        callbacks = self._callbacks(priority_callbacks, n, what)
+        cap = inputs.ints(capacities, n, "capacities" if grow is None else "admit_capacities", what)
+        callbacks = inputs.callbacks(priority_callbacks, n, what)
         m = match if isinstance(match.num_tokens, np.ndarray) else match.to_host()
         matched = np.asarray(m.num_tokens, dtype=np.int64)[idx]
         offsets = np.asarray(m.block_offsets, dtype=np.int64)
@@ -403,8 +397,7 @@ class CacheCalls:
             growth, grown = self._plan_growth(grow, what)
         if not n and growth is None:
             return grown, np.zeros(0, dtype=bool)
-        scopes = stamp.scopes
-        scope_list = [as_scope(scopes)] * B if _one_scope(scopes) else scopes
+        scope_list = inputs.scope_list(stamp.scopes, B, what)
         taken = []
         try:
             if growth is not None:  # asked first: a raising callback changes nothing
@@ -464,10 +457,10 @@ class CacheCalls:
             raise TypeError(f"{what}: grow must be a pair (caches, capacities)")
         caches, capacities = grow
         naming = Entries(what)
-        slots = self.slots(caches, what)
+        slots = inputs.cache_slots(caches, self.pool, what)
         S = self.pool.host_scalars
         naming.require(S[slots, Q_STATUS], ACTIVE)
-        cap = self.ints(capacities, len(slots), "capacities", what)
+        cap = inputs.ints(capacities, len(slots), "capacities", what)
         planned = self._plan_resize(naming, slots, cap, S[slots, Q_HISTORY]) if len(slots) else None
         if planned is None:
             return None, np.zeros(len(slots), dtype=bool)
@@ -475,7 +468,7 @@ class CacheCalls:
 
     def resume(self, caches) -> np.ndarray:
         naming = Entries("resume_batch()")
-        slots = self.slots(caches, naming.call)
+        slots = inputs.cache_slots(caches, self.pool, naming.call)
         naming.require(self.pool.host_scalars[slots, Q_STATUS], SUSPENDED)
         if len(slots) == 1:
             return np.array([self._resume(naming, int(slots[0]))])
@@ -483,15 +476,15 @@ class CacheCalls:
 
     def resize(self, caches, capacities, history_lengths=None) -> np.ndarray:
         naming = Entries("resize_batch()")
-        slots = self.slots(caches, naming.call)
+        slots = inputs.cache_slots(caches, self.pool, naming.call)
         n = len(slots)
         S = self.pool.host_scalars
         naming.require(S[slots, Q_STATUS], ACTIVE)
-        cap = self.ints(capacities, n, "capacities", naming.call)
+        cap = inputs.ints(capacities, n, "capacities", naming.call)
         if history_lengths is None:
             hist = S[slots, Q_HISTORY]
         else:
-            hist = self.ints(history_lengths, n, "history_lengths", naming.call)
+            hist = inputs.ints(history_lengths, n, "history_lengths", naming.call)
         if not n:
             return np.zeros(0, dtype=bool)
         if n == 1:
@@ -500,10 +493,10 @@ class CacheCalls:
 
     def commit(self, caches, tokens, is_end=False) -> None:
         naming = Entries("commit_batch()")
-        slots = self.slots(caches, naming.call)
+        slots = inputs.cache_slots(caches, self.pool, naming.call)
         n = len(slots)
         naming.require(self.pool.host_scalars[slots, Q_STATUS], ACTIVE)
-        end = self.flags(is_end, n, "is_end", naming.call)
+        end = inputs.flags(is_end, n, "is_end", naming.call)
         flat, offsets, digests = self._tokens(tokens, n, naming.call)
         interned = None if digests is None else (lambda: self._tokens(digests, n, naming.call, intern=True)[0])
         if n == 1:
@@ -513,9 +506,9 @@ class CacheCalls:
 
     def close(self, caches, evict_first=False) -> None:
         naming = Entries("close_batch()")
-        slots = self.slots(caches, naming.call)
+        slots = inputs.cache_slots(caches, self.pool, naming.call)
         n = len(slots)
-        first = self.flags(evict_first, n, "evict_first", naming.call).astype(np.int64)
+        first = inputs.flags(evict_first, n, "evict_first", naming.call).astype(np.int64)
         go = np.flatnonzero(self.pool.host_scalars[slots, Q_STATUS] != CLOSED)  # closing twice is a no-op
         if go.size == 1:
             self._close(int(slots[go[0]]), int(first[go[0]]), caches[int(go[0])])
@@ -854,78 +847,7 @@ class CacheCalls:
                 rows[i, lc] = check_priority(v, f"{where}priority_callback({o}, {lc})")
         return rows
 
-    # -- a batched call's input -------------------------------------------------------------
-    def slots(self, caches, what: str) -> np.ndarray:
-        """The pool slots of ``caches``: a list of this manager's caches, each once."""
-        if not _entries(caches):
-            raise TypeError(f"{what}: caches must be a list of KVCache (in order), got {type(caches).__name__}")
-        n = len(caches)
-        pool = self.pool
-        if n == 1:  # admission chunks: one cache per call, checked without arrays
-            s, serial = getattr(caches[0], "_slot", None), getattr(caches[0], "_serial", None)
-            if type(s) is int and 0 <= s < pool.serial.shape[0] and pool.serial[s] == serial:
-                return np.array([s], dtype=np.int64)
-        try:
-            listed = list(map(_slot_of, caches))
-            slots = np.array(listed, dtype=np.int64)
-            serials = np.fromiter(map(_serial_of, caches), dtype=np.int64, count=n)
-        except (AttributeError, TypeError):
-            i = next(i for i, kv in enumerate(caches) if not isinstance(kv, KVCache))
-            raise TypeError(f"{what}: caches[{i}] is not a KVCache, got {type(caches[i]).__name__}") from None
-        if n and (int(slots.min()) < 0 or int(slots.max()) >= pool.serial.shape[0]
-                  or not (pool.serial[slots] == serials).all()):
-            ours = (slots >= 0) & (slots < pool.serial.shape[0])
-            ours[ours] = pool.serial[slots[ours]] == serials[ours]
-            i = int(np.argmin(ours))
-            raise ValueError(f"{what}: caches[{i}] belongs to another manager")
-        if len(set(listed)) != n:
-            order = np.argsort(slots, kind="stable")
-            k = int(np.argmax(slots[order[1:]] == slots[order[:-1]]))
-            first, again = sorted((int(order[k]), int(order[k + 1])))
-            raise ValueError(f"{what}: caches[{again}] is caches[{first}] again; list each cache once")
-        return slots
-
-    @staticmethod
-    def ints(values, n: int, name: str, what: str) -> np.ndarray:
-        """One non-negative int per cache."""
-        if not _entries(values):
-            raise TypeError(f"{what}: {name} must be one non-negative int per cache (a list or a 1-D array), "
-                            f"got {type(values).__name__}")
-        if len(values) != n:
-            raise ValueError(f"{what}: {name} has {len(values)} entries for {n} caches")
-        # NumPy takes a bool for an int, and a ragged list only with an error of its own.
-        a = None
-        if isinstance(values, np.ndarray) or not _BOOLS.intersection(map(type, values)):
-            try:
-                a = np.asarray(values)
-            except ValueError:
-                pass  # ragged: the entry is named below
-        if n and (a is None or a.ndim != 1 or a.dtype.kind not in "iu"):
-            for i, v in enumerate(values):
-                if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
-                    raise TypeError(f"{what}: {name}[{i}] must be a non-negative int, got {v!r}")
-            raise TypeError(f"{what}: {name} must be one non-negative int per cache")
-        a = a.astype(np.int64, copy=False).reshape(n)
-        if n and int(a.min()) < 0:
-            i = int(np.argmax(a < 0))
-            raise ValueError(f"{what}: {name}[{i}] must be a non-negative int, got {int(a[i])}")
-        return a
-
-    @staticmethod
-    def flags(values, n: int, name: str, what: str) -> np.ndarray:
-        """A bool for all, or one per cache."""
-        if isinstance(values, (bool, np.bool_)):
-            return np.full(n, bool(values))
-        if not _entries(values):
-            raise TypeError(f"{what}: {name} must be a bool or one bool per cache, got {values!r}")
-        if len(values) != n:
-            raise ValueError(f"{what}: {name} has {len(values)} entries for {n} caches")
-        a = np.asarray(values)
-        if n and a.dtype != np.bool_:
-            i = next((i for i, v in enumerate(values) if not isinstance(v, (bool, np.bool_))), 0)
-            raise TypeError(f"{what}: {name}[{i}] must be a bool, got {values[i]!r}")
-        return a.reshape(n)
-
+    # -- a batched call's tokens -------------------------------------------------------------
     def _tokens(self, tokens, n: int, what: str, intern: bool = False):
         """``(flat int32 tokens, int64 offsets of n + 1, digests)``; ``digests``
         is the input to convert again with digests interned (None: none)."""
@@ -935,7 +857,7 @@ class CacheCalls:
             if offsets.shape[0] != n + 1:
                 raise ValueError(f"{what}: offsets has {offsets.shape[0]} entries for {n} caches (needs {n + 1})")
             return flat, self.backend.to_host(offsets), None
-        if not _entries(tokens) or isinstance(tokens, np.ndarray):
+        if not inputs.is_entry_list(tokens) or isinstance(tokens, np.ndarray):
             raise TypeError(f"{what}: tokens must be a list of token sequences or a (flat_tokens, offsets) pair")
         if len(tokens) != n:
             raise ValueError(f"{what}: tokens has {len(tokens)} entries for {n} caches")
@@ -943,58 +865,7 @@ class CacheCalls:
         has_digests = not intern and _holds_digests(flat)
         return flat, offsets, tokens if has_digests else None
 
-    @staticmethod
-    def _callbacks(priority_callbacks, n: int, what: str) -> list:
-        """One priority callback (or None) per request."""
-        if priority_callbacks is None:
-            return [None] * n
-        if not _entries(priority_callbacks):
-            raise TypeError(f"{what}: priority_callbacks must be None or one callable (or None) per request (a list), "
-                            f"got {priority_callbacks!r}")
-        callbacks = list(priority_callbacks)
-        if len(callbacks) != n:
-            raise ValueError(f"{what}: priority_callbacks has {len(callbacks)} entries for {n} requests")
-        for i, cb in enumerate(callbacks):
-            if cb is not None and not callable(cb):
-                raise TypeError(f"{what}: priority_callbacks[{i}] must be callable(ordinal, life_cycle_id) -> int, got {cb!r}")
-        return callbacks
-
-    @staticmethod
-    def _scope_list(scopes, n: int, what: str) -> list:
-        if _one_scope(scopes):
-            return [as_scope(scopes)] * n
-        if not _entries(scopes):
-            raise TypeError(f"{what}: scopes must be None, one gpukv.ReuseScope, or one per request (a list)")
-        if len(scopes) != n:
-            raise ValueError(f"{what}: scopes has {len(scopes)} entries for {n} requests")
-        out = []
-        for i, s in enumerate(scopes):
-            try:
-                out.append(as_scope(s))
-            except TypeError as e:
-                raise TypeError(f"{what}: scopes[{i}]: {e}") from None
-        return out
-
 
 def _holds_digests(tokens: np.ndarray) -> bool:
     """Whether converted tokens hold digests (negative ids, interned or looked up)."""
     return bool(tokens.size) and int(tokens.min()) < 0
-
-
-def _one_scope(scopes) -> bool:
-    return scopes is None or isinstance(scopes, ReuseScope)
-
-
-def _entries(values) -> bool:
-    """Whether ``values`` is one entry per cache or request: an ordered
-    sequence (a list, a tuple, a 1-D array), never a set or a mapping, whose
-    order would pair its entries with the caches arbitrarily."""
-    if isinstance(values, np.ndarray):
-        return values.ndim == 1
-    return isinstance(values, Sequence) and not isinstance(values, (str, bytes, bytearray))
-
-
-def _int(name, v) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-    return int(v)

@@ -25,7 +25,7 @@ from .kernels.match import (
     build_match_kernels,
 )
 from .core.layout import CNT_DETACHES
-from .core.scope import ReuseScope, as_scope
+from . import inputs
 from .launcher import Launcher
 from .tables import Tables
 from .tokens import ValidTokens, check_flat, flatten, token_error
@@ -40,7 +40,7 @@ class MatchStamp:
     launcher: object
     removals: int
     scope_ids: np.ndarray  # per request, on the host; -1: a scope no root was made for yet
-    scopes: object  # as the match got them: None, one ReuseScope, or one per request
+    scopes: object  # None, one ReuseScope, or a ScopeList (inputs.scope_list)
 
 
 @dataclass
@@ -158,27 +158,21 @@ class Matcher:
             raise
         return a.tokens, b.to_device(starts), b.to_device(lengths), a.hashes, b.to_device(hash_off), slots, False
 
-    def _scopes(self, scopes, B):
-        """Per-request ``(scope ids, root keys)`` as host arrays; -1 for a scope never used."""
-        if scopes is None or isinstance(scopes, ReuseScope):
+    def _scopes(self, scopes, B, what):
+        """Per-request ``(scope ids, root keys)`` as host arrays, and the scopes
+        as the match got them (one, or a ``ScopeList``); -1 for a scope never used."""
+        if inputs.one_scope(scopes):
             sid = self.tree.scope_id(scopes)
             key = self.tree.scope_key(sid) if sid >= 0 else 0
-            return np.full(B, sid, dtype=np.int64), np.full(B, key, dtype=np.int64)
-        if isinstance(scopes, (str, bytes)) or not hasattr(scopes, "__len__"):
-            raise TypeError("scopes must be None, one gpukv.ReuseScope, or one per request")
-        if len(scopes) != B:
-            raise ValueError(f"scopes must have one entry per request ({B}), got {len(scopes)}")
+            return np.full(B, sid, dtype=np.int64), np.full(B, key, dtype=np.int64), scopes
+        scopes = inputs.scope_list(scopes, B, what)
         ids = np.empty(B, dtype=np.int64)
         keys = np.zeros(B, dtype=np.int64)
         for i, s in enumerate(scopes):
-            try:
-                as_scope(s)
-            except TypeError as e:
-                raise TypeError(f"request {i}: {e}") from None
             ids[i] = self.tree.scope_id(s)
             if ids[i] >= 0:
                 keys[i] = self.tree.scope_key(ids[i])
-        return ids, keys
+        return ids, keys, scopes
 
     def _memo(self, slots, scope_ids):
         """The memo arrays for registered sequences: forgotten where the scope
@@ -200,14 +194,15 @@ class Matcher:
         return path
 
     # -- matching ---------------------------------------------------------------------
-    def match(self, requests, scopes=None, partial=None, backoff=None) -> BatchMatch:
+    def match(self, requests, scopes=None, partial=None, backoff=None, what="match_batch()") -> BatchMatch:
+        """``what``: the call whose errors these are (``scopes[1]`` is of ``what``)."""
         b = self.backend
         xp = b.xp
         partial = self.default_partial if partial is None else partial
         backoff = self.default_backoff if backoff is None else backoff
         toks, starts, lengths, hashes, hash_off, slots, check = self._pack(requests)
         B = int(starts.shape[0])
-        scope_ids, scope_keys = self._scopes(scopes, B)
+        scope_ids, scope_keys, scopes = self._scopes(scopes, B, what)
         if slots is not None:
             verified, trusted, epoch = self._memo(slots, scope_ids)
             memo_rows, memo_serials = self.arena.memo_rows, self.arena.memo_serials
@@ -251,6 +246,5 @@ class Matcher:
             num_tokens_before_hybrid_pruning=res[:, RES_BEFORE_HYBRID_PRUNING],
             block_offsets=block_offsets,
             block_ids=block_ids,
-            stamp=MatchStamp(self.launcher, self.launcher.removals, scope_ids,
-                             scopes if scopes is None or isinstance(scopes, ReuseScope) else tuple(scopes)),
+            stamp=MatchStamp(self.launcher, self.launcher.removals, scope_ids, scopes),
         )

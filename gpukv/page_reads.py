@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import inputs
 from .cache_pool import ranges
 from .core.layout import NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_PAGE, slot_row
 
@@ -41,11 +42,11 @@ def page_indices_batch(calls, caches, life_cycle_id: int, first_blocks) -> tuple
     """``(indices, offsets)``: cache ``i``'s pages from block ``first_blocks[i]``
     on are ``indices[offsets[i]:offsets[i + 1]]`` (``first_blocks`` None: from 0)."""
     what = "page_indices_batch()"
-    slots = calls.slots(caches, what)
+    slots = inputs.cache_slots(caches, calls.pool, what)
     n = len(slots)
     pool = calls.pool
     stop = pool.host_scalars[slots, Q_NUM_BLOCKS].astype(np.int64)
-    first = np.zeros(n, dtype=np.int64) if first_blocks is None else calls.ints(first_blocks, n, "first_blocks", what)
+    first = np.zeros(n, dtype=np.int64) if first_blocks is None else inputs.ints(first_blocks, n, "first_blocks", what)
     counts = np.maximum(stop - np.minimum(first, stop), 0)
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])

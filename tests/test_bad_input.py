@@ -231,13 +231,13 @@ def test_scopes_of_the_wrong_type_or_length():
         mgr.match_batch(two, "ab")
     with rejected(mgr, TypeError, r"scopes must be None, one gpukv\.ReuseScope, or one per request"):
         mgr.match_batch(two, 7)
-    with rejected(mgr, ValueError, r"scopes must have one entry per request \(2\), got 1"):
+    with rejected(mgr, ValueError, r"match_batch\(\): scopes has 1 entries for 2 requests"):
         mgr.match_batch(two, [None])
-    with rejected(mgr, ValueError, r"scopes must have one entry per request \(2\), got 3"):
+    with rejected(mgr, ValueError, r"match_batch\(\): scopes has 3 entries for 2 requests"):
         mgr.match_batch(two, [None, None, ReuseScope(salt=1)])
-    with rejected(mgr, TypeError, r"request 1: scope must be a gpukv\.ReuseScope or None, got int"):
+    with rejected(mgr, TypeError, r"match_batch\(\): scopes\[1\]: scope must be a gpukv\.ReuseScope or None, got int"):
         mgr.match_batch(two, [ReuseScope(salt=1), 3])
-    with rejected(mgr, TypeError, r"request 0: scope must be a gpukv\.ReuseScope or None, got tuple"):
+    with rejected(mgr, TypeError, r"match_batch\(\): scopes\[0\]: scope must be a gpukv\.ReuseScope or None, got tuple"):
         mgr.match_batch(two, [(7, 11), None])
     with rejected(mgr, TypeError, r"scope must be a gpukv\.ReuseScope or None, got int"):
         mgr.probe_reuse([1, 2], scope=7)

@@ -121,7 +121,7 @@ def test_the_circle_rule_sees_a_circle():
 # module imports only modules before it (the package's __init__ comes last).
 FACADE_ORDER = [
     "table_sizes", "tables", "memory", "streams", "kernel_cache", "launcher", "page_memory", "tokens",
-    "tree", "arena", "matching", "cache_pool", "page_reads", "cache", "batch",
+    "tree", "arena", "inputs", "matching", "cache_pool", "page_reads", "cache", "batch",
     "event_types", "events", "stats", "manager", "introspect", "zmq_events", "compile", "",
 ]
 
