@@ -187,9 +187,10 @@ class GpukvPerCache:
 
         self.w = w
         self.version = gpukv.__version__ if hasattr(gpukv, "__version__") else "dev"
+        # The index sized for the pool from the start, as vLLM's block pool is.
         self.mgr = gpukv.KVCacheManager(gpukv.CacheConfig(
             tokens_per_block=T, layers=[gpukv.Attention()], pages_per_life_cycle=pages,
-            enable_partial_reuse=False, backend="cpu"))
+            enable_partial_reuse=False, initial_blocks=pages, backend="cpu"))
 
     def admit(self, i: int):
         p = self.w.prompts[i]
