@@ -197,7 +197,7 @@ class GpukvKVCacheManager:
         hit, rows, tokens, match, entry = found[3:]
         own = hit
         T = self._T
-        if hit % T and self._step.fresh[self._gk.match_pages(rows[-1:])[0][0]]:
+        if hit % T and self._step.any_fresh and self._step.fresh[self._gk.match_pages(rows[-1:])[0][0]]:
             # The block the hit ends in was cached this step: its KV is written
             # by this step's forward, after the copy that would share it runs.
             # Reuse its whole blocks only (those are read after they are written).

@@ -102,6 +102,11 @@ class StepCalls:
         self.version = 0  # gpukv calls issued: a lookup matched at one version holds while it stays
 
     @property
+    def any_fresh(self) -> bool:
+        """Whether a block was committed since the step started (``fresh``)."""
+        return bool(self._fresh_pages)
+
+    @property
     def dirty(self) -> bool:
         return bool(self.alloc or self.commits or self.closes)
 
