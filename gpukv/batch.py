@@ -8,8 +8,9 @@ manager's batched calls (``create_kv_caches``, ``resume_batch``,
 ``resize_batch``, ``commit_batch``, ``close_batch``) batches of many. Both go
 through the same steps, each written once:
 
-    parse    the call's input in its own form: a per-cache call's ints and
-             token sequence, a batched call's lists or flat arrays
+    parse    the call's input in its own form, by the checks every entry point
+             shares (``inputs.py``): a per-cache call's ints and token
+             sequence, a batched call's lists or flat arrays
     check    the rules, over every entry's values, before anything changes;
              an error names the call (``resize()``) or the entry
              (``resize_batch(): caches[2]: ...``) as ``OneCache`` / ``Entries`` say
@@ -45,7 +46,6 @@ from __future__ import annotations
 import numpy as np
 
 from . import inputs
-from .arena import TokenSequence
 from .cache import KVCache
 from .cache_pool import is_batch, ranges, with_room
 from .core.config import DEFAULT_PRIORITY, check_priority
@@ -85,7 +85,7 @@ from .table_sizes import (
     log_rows_per_block,
     log_tokens_rows_for,
 )
-from .tokens import ValidTokens, check_flat, flatten, token_array, tokens_and_digests
+from .tokens import token_array, tokens_and_digests
 
 _STATUS_NAMES = {SUSPENDED: "SUSPENDED", ACTIVE: "ACTIVE", CLOSED: "CLOSED"}
 
@@ -274,17 +274,11 @@ class CacheCalls:
     # -- one cache: KVCache's methods (and create_kv_cache) ---------------------------------
     def create_one(self, input_tokens, scope, priority_callback, made: list) -> KVCache:
         scope = as_scope(scope)
-        queries = arrays = None
-        if input_tokens is not None:
-            if type(input_tokens) is TokenSequence:  # the scheduler's registered request
-                self.matcher.check_sequence(0, input_tokens)
-                arrays, queries = [np.array(self.backend.to_host(input_tokens.tokens))], [input_tokens]
-            else:
-                # Digests only looked up: a matched prefix holds interned ones
-                # only, and a digest no block holds need not be kept.
-                a = token_array(input_tokens, self.tables.lookup_digest)
-                arrays, queries = [a], [ValidTokens(a)]
-        return self._create(queries, arrays, scope, [scope], [inputs.callback(priority_callback)], made)[0]
+        # Digests only looked up: a matched prefix holds interned ones only,
+        # and a digest no block holds need not be kept.
+        tokens = None if input_tokens is None else inputs.one_request(input_tokens, self.tables.lookup_digest,
+                                                                      self.matcher.arena)
+        return self._create(tokens, scope, [scope], [inputs.callback(priority_callback)], made)[0]
 
     def resume_one(self, slot: int) -> bool:
         _RESUME.require(self.pool.host_scalars[slot, Q_STATUS], SUSPENDED)
@@ -331,23 +325,11 @@ class CacheCalls:
         one match launch for all, then one launch holding their reused pages
         (``made``: as ``_create`` takes it)."""
         what = "create_kv_caches()"
-        if not inputs.is_request_list(requests):
-            raise TypeError(f"{what}: requests must be a list of token sequences, got {type(requests).__name__}")
-        n = len(requests)
+        tokens = inputs.token_batch(requests, self.tables.lookup_digest, self.matcher.arena, what)
+        n = len(tokens)
         callbacks = inputs.callbacks(priority_callbacks, n, what)
         scope_list = inputs.scope_list(scopes, n, what)
-        b = self.backend
-        queries, arrays = [], []
-        for i, r in enumerate(requests):  # one conversion per request, as create_kv_cache does
-            if type(r) is TokenSequence:
-                self.matcher.check_sequence(i, r)
-                arrays.append(np.asarray(b.to_host(r.tokens)))
-                queries.append(r)
-            else:
-                a = token_array(r, self.tables.lookup_digest, request=i)
-                arrays.append(a)
-                queries.append(ValidTokens(a))
-        return self._create(queries, arrays, as_scope(scopes) if inputs.one_scope(scopes) else scope_list, scope_list,
+        return self._create(tokens, as_scope(scopes) if inputs.one_scope(scopes) else scope_list, scope_list,
                             callbacks, made)
 
     def admit(self, match, capacities, entries, priority_callbacks, made: list, grow=None) -> tuple:
@@ -497,8 +479,7 @@ class CacheCalls:
         n = len(slots)
         naming.require(self.pool.host_scalars[slots, Q_STATUS], ACTIVE)
         end = inputs.flags(is_end, n, "is_end", naming.call)
-        flat, offsets, digests = self._tokens(tokens, n, naming.call)
-        interned = None if digests is None else (lambda: self._tokens(digests, n, naming.call, intern=True)[0])
+        flat, offsets, interned = self._tokens(tokens, n, naming.call)
         if n == 1:
             self._commit(naming, int(slots[0]), flat, int(offsets[1]), bool(end[0]), interned)
         else:
@@ -516,18 +497,18 @@ class CacheCalls:
             self._close(slots[go], first[go], caches if go.size == n else [caches[i] for i in go.tolist()])
 
     # -- the calls, over a slot or slots ----------------------------------------------------
-    def _create(self, queries, arrays, match_scopes, scope_list, callbacks, made: list) -> list:
+    def _create(self, tokens, match_scopes, scope_list, callbacks, made: list) -> list:
         """Caches for ``callbacks`` (one per cache) in the scopes of
-        ``scope_list``, holding what ``queries`` match (None: nothing
-        looked up), ``arrays`` their tokens; ``made``: an empty list the
+        ``scope_list``, holding what ``tokens`` (a ``TokenBatch``; None:
+        nothing looked up) match; ``made``: an empty list the
         caches are appended to as they are made (and returned), so that a
         caller whose call fails after this returned can close them again."""
         n = len(callbacks)
         if not n:
             return []
         matched = nblocks = np.zeros(n, dtype=np.int64)
-        if queries is not None:
-            m = self.matcher.match(queries, match_scopes).to_host()
+        if tokens is not None:
+            m = self.matcher.match(tokens, match_scopes).to_host()
             matched = np.asarray(m.num_tokens, dtype=np.int64)
             nblocks = np.diff(np.asarray(m.block_offsets, dtype=np.int64))
         taken = []
@@ -535,19 +516,22 @@ class CacheCalls:
             # Segments with room for the matched blocks, which reuse setup writes.
             slots = self._new_caches(scope_list, nblocks, callbacks, made, taken)
             go = np.flatnonzero(matched > 0)
+            if go.size:
+                flat, offsets = tokens.arrays()
+                flat = self.backend.to_host(flat)
             if go.size == 1:
                 i = int(go[0])
+                start = int(offsets[i])
                 self._launch(None, int(slots[i]), SEQ_SETUP_REUSE, (int(matched[i]), int(nblocks[i])),
-                             span=int(nblocks[i]), tokens=arrays[i][: matched[i]],
+                             span=int(nblocks[i]), tokens=flat[start:start + int(matched[i])],
                              path=np.asarray(m.block_ids, dtype=np.int64)[m.block_offsets[i]:m.block_offsets[i + 1]])
             elif go.size:
-                starts = _offsets(np.fromiter(map(len, arrays), dtype=np.int64, count=n))[:-1]
-                flat = np.concatenate(arrays).astype(np.int32, copy=False)[ranges(starts[go], matched[go])]
+                flat = flat[ranges(offsets[:-1][go], matched[go])]
                 path = np.asarray(m.block_ids, dtype=np.int64)[ranges(np.asarray(m.block_offsets)[go], nblocks[go])]
                 self._launch(None, slots[go], SEQ_SETUP_REUSE, (matched[go], nblocks[go]), span=nblocks[go],
                              tokens=flat, tokens_off=_offsets(matched[go]), path=path, path_off=_offsets(nblocks[go]))
-            if queries is not None:
-                self._record_lookups(np.fromiter(map(len, arrays), dtype=np.int64, count=n), matched)
+            if tokens is not None:
+                self._record_lookups(tokens.lengths(), matched)
             return made
         except BaseException:
             self._undo_create(made, taken)
@@ -848,22 +832,17 @@ class CacheCalls:
         return rows
 
     # -- a batched call's tokens -------------------------------------------------------------
-    def _tokens(self, tokens, n: int, what: str, intern: bool = False):
-        """``(flat int32 tokens, int64 offsets of n + 1, digests)``; ``digests``
-        is the input to convert again with digests interned (None: none)."""
-        t = self.tables
-        if isinstance(tokens, tuple) and len(tokens) == 2 and hasattr(tokens[0], "dtype"):
-            flat, offsets = check_flat(tokens[0], tokens[1], self.backend.xp)
-            if offsets.shape[0] != n + 1:
-                raise ValueError(f"{what}: offsets has {offsets.shape[0]} entries for {n} caches (needs {n + 1})")
-            return flat, self.backend.to_host(offsets), None
-        if not inputs.is_entry_list(tokens) or isinstance(tokens, np.ndarray):
-            raise TypeError(f"{what}: tokens must be a list of token sequences or a (flat_tokens, offsets) pair")
-        if len(tokens) != n:
-            raise ValueError(f"{what}: tokens has {len(tokens)} entries for {n} caches")
-        flat, offsets = flatten(tokens, t.intern_digest if intern else t.lookup_digest)
-        has_digests = not intern and _holds_digests(flat)
-        return flat, offsets, tokens if has_digests else None
+    def _tokens(self, tokens, n: int, what: str):
+        """``(flat int32 tokens, int64 offsets of n + 1, interned)``, digests
+        only looked up; ``interned()``: the flat tokens converted anew with
+        digests interned (None: they hold none)."""
+        arena = self.matcher.arena
+        batch = inputs.token_batch(tokens, self.tables.lookup_digest, arena, what, name="tokens", n=n)
+        flat, offsets = batch.arrays()
+        if not (batch.converted and _holds_digests(flat)):
+            return flat, offsets, None
+        return flat, offsets, lambda: inputs.token_batch(tokens, self.tables.intern_digest, arena, what,
+                                                         name="tokens", n=n).flat
 
 
 def _holds_digests(tokens: np.ndarray) -> bool:

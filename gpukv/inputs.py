@@ -12,9 +12,13 @@ named by the call (``what``: ``"resize_batch()"``) and the entry
   per-call and per-entry values;
 - ``cache_slots``: a list of a manager's caches, each once, as pool slots;
 - ``one_scope``, ``scope_list``: the scopes of a batch, resolved once into a
-  ``ScopeList`` that later steps of the same call take as it is.
+  ``ScopeList`` that later steps of the same call take as it is;
+- ``token_batch``, ``one_request``: a batch's tokens in any of its three
+  shapes (a list of token sequences, a ``(flat_tokens, offsets)`` pair,
+  registered ``TokenSequence``s), checked once into a ``TokenBatch`` that the
+  match and the calls on caches take as it is.
 
-Token sequences, one by one, are converted and checked in ``tokens.py``.
+One token sequence is converted and checked by ``tokens.py``'s converters.
 
 A batch of one takes the per-cache path where one exists: checked in plain
 Python, no array built.
@@ -27,7 +31,9 @@ from operator import attrgetter
 
 import numpy as np
 
+from .arena import TokenArena, TokenSequence
 from .core.scope import ReuseScope, as_scope
+from .tokens import ValidTokens, check_flat, flatten, token_array
 
 _BOOLS = frozenset({bool, np.bool_})
 _slot_of = attrgetter("_slot")
@@ -195,3 +201,104 @@ def scope_list(scopes, n: int, what: str) -> ScopeList:
         except TypeError as e:
             raise TypeError(f"{what}: scopes[{i}]: {e}") from None
     return ScopeList(out)
+
+
+# -- tokens ---------------------------------------------------------------------------------
+class TokenBatch:
+    """A batch's tokens, checked (``token_batch``): ``flat`` int32 with
+    ``offsets`` int64 of B + 1 (a caller's device pair stays on its device,
+    anything else is on the host), or, when every request is a registered
+    ``TokenSequence``, ``sequences`` (their tokens are in the arena already,
+    read out only when asked: ``arrays``). ``converted``: ``flat`` was
+    converted from token sequences, its digests as the converter gave them;
+    ``unchecked``: an int32 pair whose signs are left to the match kernel."""
+
+    __slots__ = ("flat", "offsets", "sequences", "converted", "unchecked", "_backend")
+
+    def __init__(self, backend, flat=None, offsets=None, sequences=None, converted=False, unchecked=False):
+        self._backend = backend
+        self.flat, self.offsets, self.sequences = flat, offsets, sequences
+        self.converted, self.unchecked = converted, unchecked
+
+    def __len__(self) -> int:
+        return len(self.sequences) if self.sequences is not None else int(self.offsets.shape[0]) - 1
+
+    def lengths(self) -> np.ndarray:
+        """Each request's token count (int64, on the host)."""
+        if self.sequences is not None:
+            return np.fromiter(map(len, self.sequences), dtype=np.int64, count=len(self.sequences))
+        return np.diff(self._backend.to_host(self.offsets))
+
+    def arrays(self) -> tuple:
+        """``(flat, offsets)``, ``offsets`` on the host (``flat`` on the
+        caller's device for a device pair)."""
+        if self.sequences is None:
+            return self.flat, self._backend.to_host(self.offsets)
+        to_host = self._backend.to_host
+        offsets = np.zeros(len(self.sequences) + 1, dtype=np.int64)
+        np.cumsum(self.lengths(), out=offsets[1:])
+        flat = np.concatenate([np.asarray(to_host(s.tokens)) for s in self.sequences] or [np.zeros(0, np.int32)])
+        return flat.astype(np.int32, copy=False), offsets
+
+
+def check_sequence(i: int, s: TokenSequence, arena: TokenArena) -> None:
+    """A registered sequence is request ``i``'s tokens only while it is the
+    manager's and not released (its tokens were checked on ``extend``)."""
+    if s._arena is not arena:
+        raise ValueError(f"request {i}: TokenSequence belongs to another manager")
+    if s.released:
+        raise ValueError(f"request {i}: TokenSequence was released")
+
+
+# Entries ``flatten`` takes as they are; any other (a registered sequence, a
+# device array, another Sequence) is looked at on its own first.
+_FLATTENED = frozenset({list, tuple, np.ndarray, ValidTokens})
+
+
+def _host_entry(i: int, r, arena: TokenArena):
+    if type(r) is TokenSequence:
+        check_sequence(i, r, arena)
+        return ValidTokens(np.asarray(arena.backend.to_host(r.tokens)))
+    return arena.backend.to_host(r) if hasattr(r, "__cuda_array_interface__") else r
+
+
+def token_batch(tokens, convert, arena: TokenArena, what: str, *, name: str = "requests", n: int | None = None,
+                kernel_checks_signs: bool = False) -> TokenBatch:
+    """``tokens`` (a list of token sequences, one per request, registered
+    ``TokenSequence``s among them; a 2-D array, one row each; or a
+    ``(flat_tokens, offsets)`` pair, device arrays accepted) checked as
+    ``name`` of ``what``, ``n`` entries (None: any number), digests converted
+    by ``convert`` (the tables' ``lookup_digest`` or ``intern_digest``).
+    ``kernel_checks_signs``: the match kernel finds negative tokens in an
+    int32 pair itself (``TokenBatch.unchecked``)."""
+    backend = arena.backend
+    if isinstance(tokens, tuple) and len(tokens) == 2 and hasattr(tokens[0], "dtype"):  # (flat_tokens, offsets)
+        unchecked = kernel_checks_signs and tokens[0].dtype == np.int32
+        flat, offsets = check_flat(tokens[0], tokens[1], backend.xp, tokens=not unchecked)
+        if n is not None and offsets.shape[0] != n + 1:
+            raise ValueError(f"{what}: offsets has {offsets.shape[0]} entries for {n} caches (needs {n + 1})")
+        return TokenBatch(backend, flat, offsets, unchecked=unchecked)
+    if not is_request_list(tokens):
+        raise TypeError(f"{what}: {name} must be a list of token sequences or a (flat_tokens, offsets) pair, "
+                        f"got {type(tokens).__name__}")
+    if n is not None and len(tokens) != n:
+        raise ValueError(f"{what}: {name} has {len(tokens)} entries for {n} caches")
+    kinds = set(map(type, tokens))
+    if kinds == {TokenSequence}:  # the scheduler's registered requests: matched from the arena
+        for i, s in enumerate(tokens):
+            check_sequence(i, s, arena)
+        return TokenBatch(backend, sequences=list(tokens))
+    if isinstance(tokens, np.ndarray) or not kinds <= _FLATTENED:
+        tokens = [_host_entry(i, r, arena) for i, r in enumerate(tokens)]
+    flat, offsets = flatten(tokens, convert)
+    return TokenBatch(backend, flat, offsets, converted=True)
+
+
+def one_request(tokens, convert, arena: TokenArena) -> TokenBatch:
+    """One request's tokens (a token sequence or a registered
+    ``TokenSequence``) as a batch of one."""
+    if type(tokens) is TokenSequence:
+        check_sequence(0, tokens, arena)
+        return TokenBatch(arena.backend, sequences=[tokens])
+    a = token_array(tokens, convert)
+    return TokenBatch(arena.backend, a, np.array([0, a.shape[0]], dtype=np.int64), converted=True)

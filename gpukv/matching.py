@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .arena import TokenArena, TokenSequence
+from .arena import TokenArena
 from .kernels.match import (
     RES_BEFORE_HYBRID_PRUNING,
     RES_BEFORE_PRUNING,
@@ -28,7 +28,7 @@ from .core.layout import CNT_DETACHES
 from . import inputs
 from .launcher import Launcher
 from .tables import Tables
-from .tokens import ValidTokens, check_flat, flatten, token_error
+from .tokens import token_error
 from .tree import BlockTree
 
 
@@ -94,37 +94,18 @@ class Matcher:
         self._path = None  # scratch, see _take_path
 
     # -- packing --------------------------------------------------------------------
-    def _pack(self, requests):
+    def _pack(self, requests, what):
         """``(tokens, starts, lengths, hashes, hash_off, slots, check)`` on the
         device; ``slots`` are the arena slots of registered sequences, else
-        None; ``check``: the kernel must check the tokens' signs."""
+        None; ``check``: the kernel must check the tokens' signs (on ``cpu``
+        an int32 pair's are left to it: no separate pass)."""
+        batch = requests if type(requests) is inputs.TokenBatch else inputs.token_batch(
+            requests, self.tables.lookup_digest, self.arena, what, kernel_checks_signs=not self.prehash)
+        if batch.sequences is not None:
+            return self._registered(batch.sequences)
         b = self.backend
-        if isinstance(requests, tuple) and len(requests) == 2 and hasattr(requests[0], "dtype"):
-            # cpu, int32: the match kernel checks the tokens (no separate pass)
-            check = not self.prehash and getattr(requests[0], "dtype", None) == np.int32
-            flat, offsets = check_flat(requests[0], requests[1], b.xp, tokens=not check)
-            flat, offsets = b.to_device(flat), b.to_device(offsets)
-            return (*self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1]), check)
-        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
-            raise TypeError("requests must be a list of token sequences or a (flat_tokens, offsets) pair")
-        if len(requests) and all(type(r) is TokenSequence for r in requests):
-            return self._registered(requests)
-        requests = [self._tokens_of(i, r) for i, r in enumerate(requests)]
-        flat, offsets = flatten(requests, self.tables.lookup_digest)
-        flat, offsets = b.to_device(flat), b.to_device(offsets)
-        return (*self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1]), False)
-
-    def _tokens_of(self, i, r):
-        if type(r) is TokenSequence:
-            self.check_sequence(i, r)  # validated on extend; digests are interned ids
-            return ValidTokens(np.asarray(self.backend.to_host(r.tokens)))
-        return self.backend.to_host(r) if hasattr(r, "__cuda_array_interface__") else r
-
-    def check_sequence(self, i, s):
-        if s._arena is not self.arena:
-            raise ValueError(f"request {i}: TokenSequence belongs to another manager")
-        if s.released:
-            raise ValueError(f"request {i}: TokenSequence was released")
+        flat, offsets = b.to_device(batch.flat), b.to_device(batch.offsets)
+        return (*self._flat(flat, offsets[:-1], offsets[1:] - offsets[:-1]), batch.unchecked)
 
     def _flat(self, flat, starts, lengths):
         if not self.prehash:
@@ -140,8 +121,6 @@ class Matcher:
         return flat, starts, lengths, hashes, hash_off, None
 
     def _registered(self, seqs):
-        for i, s in enumerate(seqs):
-            self.check_sequence(i, s)
         slots = np.fromiter((s._slot for s in seqs), dtype=np.int64, count=len(seqs))
         a = self.arena
         hashed = a.hashed[slots]  # a copy: prepare() counts the blocks as hashed before they are
@@ -195,12 +174,13 @@ class Matcher:
 
     # -- matching ---------------------------------------------------------------------
     def match(self, requests, scopes=None, partial=None, backoff=None, what="match_batch()") -> BatchMatch:
-        """``what``: the call whose errors these are (``scopes[1]`` is of ``what``)."""
+        """``requests``: any of the three shapes, or a ``TokenBatch`` checked
+        already; ``what``: the call whose errors these are."""
         b = self.backend
         xp = b.xp
         partial = self.default_partial if partial is None else partial
         backoff = self.default_backoff if backoff is None else backoff
-        toks, starts, lengths, hashes, hash_off, slots, check = self._pack(requests)
+        toks, starts, lengths, hashes, hash_off, slots, check = self._pack(requests, what)
         B = int(starts.shape[0])
         scope_ids, scope_keys, scopes = self._scopes(scopes, B, what)
         if slots is not None:

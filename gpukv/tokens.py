@@ -111,9 +111,8 @@ def _bool_at(tokens, candidates: np.ndarray):
 
 
 def flatten(requests: Sequence, intern: Callable[[bytes], int]) -> tuple[np.ndarray, np.ndarray]:
-    """Many sequences as ``(flat int32 tokens, int64 offsets of length B+1)``."""
-    if isinstance(requests, (str, bytes, np.ndarray)) or not hasattr(requests, "__len__"):
-        raise TypeError("requests must be a list of token sequences or a (flat_tokens, offsets) pair")
+    """Many sequences (a list of them, as ``inputs.token_batch`` checked it)
+    as ``(flat int32 tokens, int64 offsets of length B+1)``."""
     for i, r in enumerate(requests):  # one check per request, not per token
         if type(r) is not list and type(r) is not ValidTokens and not isinstance(r, np.ndarray):
             _check_container(r, i)

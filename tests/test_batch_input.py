@@ -246,7 +246,7 @@ def test_the_cuda_kernels_end_in_the_cpu_state(backend):
     (lambda m, k: m.commit_batch(k, np.array(5)), r"commit_batch\(\): tokens must be a list of token sequences"),
     (lambda m, k: m.create_kv_caches([[1, 2]], priority_callbacks=lambda o, lc: 35),
      r"create_kv_caches\(\): priority_callbacks must be None or one callable \(or None\) per request"),
-    (lambda m, k: m.create_kv_caches({(1, 2), (3, 4)}), r"create_kv_caches\(\): requests must be a list of token sequences, got set"),
+    (lambda m, k: m.create_kv_caches({(1, 2), (3, 4)}), r"create_kv_caches\(\): requests must be a list of token sequences or a \(flat_tokens, offsets\) pair, got set"),
 ])
 def test_unordered_ragged_or_bool_entries_are_refused_by_name(mgr, call, match):
     """A bool is no capacity, a set pairs its entries with the caches in no
