@@ -274,3 +274,46 @@ def test_a_digest_inside_any_sequence_is_taken_by_the_batched_calls(mgr):
     kv.close()
     reused = mgr.probe_reuse(tokens)
     assert reused > 0 and mgr.match_batch([deque(tokens)]).to_host().num_tokens.tolist() == [reused]
+
+
+@pytest.mark.parametrize("shape", ["lists", "pair", "rows", "registered"])
+def test_every_token_shape_commits_what_lists_commit(mgr, shape):
+    """``commit_batch`` takes the token shapes ``match_batch`` takes (lists,
+    ``(flat, offsets)``, a 2-D array, registered ``TokenSequence``s), each
+    committing the same tokens."""
+    rows = [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]]
+    kvs = running(mgr, 3)
+    if shape == "lists":
+        tokens = rows
+    elif shape == "pair":
+        tokens = (np.array(rows, dtype=np.int32).ravel(), np.array([0, 4, 8, 12]))
+    elif shape == "rows":
+        tokens = np.array(rows, dtype=np.int64)
+    else:
+        tokens = [mgr.token_sequence(r) for r in rows]
+    mgr.commit_batch(kvs, tokens)
+    assert [np.asarray(kv.committed_tokens[6:]).tolist() for kv in kvs] == rows
+    introspect.check_sanity(mgr)
+
+
+def test_a_released_sequence_is_refused_by_every_batched_call(mgr):
+    """A released ``TokenSequence`` is refused, by its request's index, by
+    ``match_batch``, ``create_kv_caches`` and ``commit_batch`` alike."""
+    kvs = running(mgr, 2)
+    live, gone = mgr.token_sequence([1, 2]), mgr.token_sequence([3, 4])
+    gone.release()
+    for call in (lambda: mgr.match_batch([live, gone]), lambda: mgr.create_kv_caches([live, gone]),
+                 lambda: mgr.commit_batch(kvs, [live, gone])):
+        with rejected(mgr, kvs, ValueError, "request 1: TokenSequence was released"):
+            call()
+    assert len(mgr._open_caches) == 2
+
+
+def test_scopes_are_refused_in_the_same_words_by_match_and_create(mgr):
+    """One check of a batch's scopes: the same sentence from either call."""
+    for what, call in (("match_batch", mgr.match_batch), ("create_kv_caches", mgr.create_kv_caches)):
+        with rejected(mgr, [], ValueError, rf"{what}\(\): scopes has 1 entries for 2 requests"):
+            call([[1], [2]], [None])
+        with rejected(mgr, [], TypeError, rf"{what}\(\): scopes\[1\]: scope must be a gpukv\.ReuseScope or None, got int"):
+            call([[1], [2]], [gpukv.ReuseScope(salt=1), 3])
+    assert not mgr._open_caches
