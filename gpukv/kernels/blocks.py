@@ -58,6 +58,7 @@ from ..core.layout import (
     RETIRED_ROOT_REMOVED,
     RETIRED_ROW_BITS,
 )
+from .dlist import dlist_insert_after, dlist_remove
 from .link import helper
 from .index import (
     find_child,
@@ -125,31 +126,14 @@ def free_block_row(S, r):
 
 @helper
 def append_child(S, parent, r):
-    last = S.blocks[parent, BLK_LAST_CHILD]
-    S.blocks[r, BLK_PREV_SIBLING] = last
-    S.blocks[r, BLK_NEXT_SIBLING] = NULL
-    if last == NULL:
-        S.blocks[parent, BLK_FIRST_CHILD] = r
-    else:
-        S.blocks[last, BLK_NEXT_SIBLING] = r
-    S.blocks[parent, BLK_LAST_CHILD] = r
+    dlist_insert_after(S.blocks, BLK_PREV_SIBLING, BLK_NEXT_SIBLING, S.blocks, parent, BLK_FIRST_CHILD, BLK_LAST_CHILD, r,
+                       S.blocks[parent, BLK_LAST_CHILD])
     S.blocks[parent, BLK_NUM_CHILDREN] += 1
 
 
 @helper
 def remove_child(S, parent, r):
-    prv = S.blocks[r, BLK_PREV_SIBLING]
-    nxt = S.blocks[r, BLK_NEXT_SIBLING]
-    if prv == NULL:
-        S.blocks[parent, BLK_FIRST_CHILD] = nxt
-    else:
-        S.blocks[prv, BLK_NEXT_SIBLING] = nxt
-    if nxt == NULL:
-        S.blocks[parent, BLK_LAST_CHILD] = prv
-    else:
-        S.blocks[nxt, BLK_PREV_SIBLING] = prv
-    S.blocks[r, BLK_PREV_SIBLING] = NULL
-    S.blocks[r, BLK_NEXT_SIBLING] = NULL
+    dlist_remove(S.blocks, BLK_PREV_SIBLING, BLK_NEXT_SIBLING, S.blocks, parent, BLK_FIRST_CHILD, BLK_LAST_CHILD, r)
     S.blocks[parent, BLK_NUM_CHILDREN] -= 1
 
 

@@ -30,7 +30,7 @@ from ..core.backend import bind_globals, device_jit
 # Every module holding helpers, in import order (lower layers first). ``link``
 # imports them all, so every helper is registered before anything is bound.
 MODULES = (
-    "keys", "sha256", "prefetch", "lifecycle", "index", "lru", "pages", "log", "blocks", "evict", "tree",
+    "keys", "sha256", "prefetch", "lifecycle", "index", "dlist", "lru", "pages", "log", "blocks", "evict", "tree",
     "seq_hold", "seq_resume", "seq_resize", "seq_commit", "seq_close", "seq",
     "reuse", "walk", "match",
 )

@@ -1,6 +1,6 @@
 """The eviction controller's ordered lists (docs/semantics.md §2.11).
 
-Eviction candidates sit in doubly linked lists threaded through the page rows
+Eviction candidates sit in doubly linked lists (``dlist.py``) threaded through the page rows
 (``PAGE_LRU_PREV`` / ``PAGE_LRU_NEXT``), one list per (life cycle, cache
 level, held or not, priority), each kept sorted by ``lru_tick``, oldest at the
 head. A page is in at most one list (``PAGE_LRU_LIST``, NULL for none).
@@ -30,8 +30,8 @@ from ..core.layout import (
     PAGE_LRU_PREV,
     PAGE_LRU_TICK,
 )
+from .dlist import dlist_insert_after, dlist_remove
 from .link import helper
-
 
 
 @helper
@@ -51,36 +51,15 @@ def lru_unlink(S, p):
     lst = S.pages[p, PAGE_LRU_LIST]
     if lst == NULL:
         return
-    prv = S.pages[p, PAGE_LRU_PREV]
-    nxt = S.pages[p, PAGE_LRU_NEXT]
-    if prv == NULL:
-        S.lru_lists[lst, LRU_HEAD] = nxt
-    else:
-        S.pages[prv, PAGE_LRU_NEXT] = nxt
-    if nxt == NULL:
-        S.lru_lists[lst, LRU_TAIL] = prv
-    else:
-        S.pages[nxt, PAGE_LRU_PREV] = prv
+    dlist_remove(S.pages, PAGE_LRU_PREV, PAGE_LRU_NEXT, S.lru_lists, lst, LRU_HEAD, LRU_TAIL, p)
     S.pages[p, PAGE_LRU_LIST] = NULL
-    S.pages[p, PAGE_LRU_PREV] = NULL
-    S.pages[p, PAGE_LRU_NEXT] = NULL
     S.lru_groups[lst // NUM_PRIORITIES, LG_COUNT] -= 1
 
 
 @helper
 def lru_link_after(S, p, lst, prv):
     """Link ``p`` into ``lst`` right after ``prv`` (NULL: at the head)."""
-    nxt = S.lru_lists[lst, LRU_HEAD] if prv == NULL else S.pages[prv, PAGE_LRU_NEXT]
-    S.pages[p, PAGE_LRU_PREV] = prv
-    S.pages[p, PAGE_LRU_NEXT] = nxt
-    if prv == NULL:
-        S.lru_lists[lst, LRU_HEAD] = p
-    else:
-        S.pages[prv, PAGE_LRU_NEXT] = p
-    if nxt == NULL:
-        S.lru_lists[lst, LRU_TAIL] = p
-    else:
-        S.pages[nxt, PAGE_LRU_PREV] = p
+    dlist_insert_after(S.pages, PAGE_LRU_PREV, PAGE_LRU_NEXT, S.lru_lists, lst, LRU_HEAD, LRU_TAIL, p, prv)
     S.pages[p, PAGE_LRU_LIST] = lst
     g = lst // NUM_PRIORITIES
     S.lru_groups[g, LG_COUNT] += 1
