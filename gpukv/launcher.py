@@ -299,10 +299,10 @@ class Launcher:
                 records, tokens = t.read_log(n, int(counters[CNT_LOG_TOKENS_LEN])) if read else (_NO_RECORDS, None)
                 freed = None
                 if retired:  # most launches free no row: nothing to merge or give back
-                    rows, kinds, at, digests = t.read_retired(retired)
+                    rows, kinds, at = t.read_retired(retired)
                     freed = rows[kinds != RETIRED_REMOVED]
                     if read:
-                        records = with_removals(records, rows, kinds, at, digests)
+                        records = with_removals(records, rows, kinds, at, t.digests_of)
                 sink_at = 0 if self.log_sink is None else len(self.log_sink)
                 self._drained = (records, tokens, freed, sink_at)
             records, tokens, freed, sink_at = self._drained
@@ -325,15 +325,17 @@ class Launcher:
 _NO_RECORDS = np.zeros((0, 0), dtype=np.int64)  # a drain nobody reads
 
 
-def with_removals(records: np.ndarray, rows, kinds, at, digests) -> np.ndarray:
+def with_removals(records: np.ndarray, rows, kinds, at, digests_of) -> np.ndarray:
     """The launch's log ``records`` with a removal record for each retired row
     that reports one (``layout.RETIRED_*``), each before the record that was
     ``at`` its log position, in the order they were retired: the records a
-    log that held removals too would have."""
+    log that held removals too would have. ``digests_of(rows)``: the rows'
+    chain digests (``Tables.digests_of``)."""
     report = kinds != RETIRED_FREED
     if not report.any():
         return records
-    rows, kinds, at, digests = rows[report], kinds[report], at[report], digests[report]
+    rows, kinds, at = rows[report], kinds[report], at[report]
+    digests = digests_of(rows)
     removed = np.zeros((rows.size, LOG.width), dtype=np.int64)
     removed[:, LOG_KIND] = np.where(kinds == RETIRED_ROOT_REMOVED, EV_ROOT_REMOVED, EV_REMOVED)
     removed[:, LOG_LIFE_CYCLE] = NULL

@@ -94,7 +94,7 @@ class KVCacheManager:
         # Every call on caches, for one (KVCache's methods) or a batch.
         self._calls = CacheCalls(self._cache_context, lambda: self._stats)
         self._eviction_seen = np.zeros(3, dtype=np.int64)
-        self._obtainable = (-1, None)  # (launches, Tables.obtainable_pages()) as last read
+        self._obtainable: dict = {}  # (life cycle, level) -> (launches, Tables.obtainable_pages()) as last read
         kernel_cache.announce(self._backend.target)  # once per process: kernels a first call would compile
 
     # -- facts ------------------------------------------------------------------------
@@ -332,9 +332,10 @@ class KVCacheManager:
         that launched a kernel, none otherwise."""
         self._check_pool(life_cycle_id, level)
         launches = self._launcher.launches
-        if self._obtainable[0] != launches:
-            self._obtainable = (launches, self._tables.obtainable_pages())
-        return int(self._obtainable[1][life_cycle_id, level])
+        known = self._obtainable.get((life_cycle_id, level))
+        if known is None or known[0] != launches:
+            known = self._obtainable[life_cycle_id, level] = (launches, self._tables.obtainable_pages(life_cycle_id, level))
+        return known[1]
 
     @serialized("mgr.free_pages()")
     def free_pages(self, life_cycle_id: int = 0, level: int = 0) -> int:

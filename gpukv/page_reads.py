@@ -25,6 +25,10 @@ from . import inputs
 from .cache_pool import ranges
 from .core.layout import NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_PAGE, slot_row
 
+# The page table columns each read gathers (one gather of just those columns).
+_LEVEL_AND_INDEX = np.array([PAGE_LEVEL, PAGE_POOL_INDEX])
+_LEVEL_INDEX_HOLDERS_LOCKS = np.array([PAGE_LEVEL, PAGE_POOL_INDEX, PAGE_HOLDERS, PAGE_LOCKS])
+
 
 def pool_indices(tables, page_rows: np.ndarray) -> np.ndarray:
     """GPU pool indices (int32) of page table rows; -1 for NULL or a host-tier page."""
@@ -32,7 +36,7 @@ def pool_indices(tables, page_rows: np.ndarray) -> np.ndarray:
     have = np.nonzero(page_rows != NULL)[0]
     if have.size:
         b = tables.backend
-        fields = b.to_host(tables.pages[b.to_device(page_rows[have])][:, [PAGE_LEVEL, PAGE_POOL_INDEX]])
+        fields = b.to_host(tables.pages[b.to_device(page_rows[have, None]), _LEVEL_AND_INDEX])
         on_gpu = fields[:, 0] == 0
         out[have[on_gpu]] = fields[on_gpu, 1]
     return out
@@ -74,9 +78,7 @@ def match_pages(tables, block_rows: np.ndarray, life_cycle_id: int) -> tuple[np.
     held = np.zeros(n, dtype=bool)
     have = np.nonzero(page_rows != NULL)[0]
     if have.size:
-        fields = b.to_host(
-            tables.pages[b.to_device(page_rows[have])][:, [PAGE_LEVEL, PAGE_POOL_INDEX, PAGE_HOLDERS, PAGE_LOCKS]]
-        )
+        fields = b.to_host(tables.pages[b.to_device(page_rows[have, None]), _LEVEL_INDEX_HOLDERS_LOCKS])
         on_gpu = fields[:, 0] == 0
         out[have[on_gpu]] = fields[on_gpu, 1]
         held[have] = (fields[:, 2] > 0) | (fields[:, 3] > 0)

@@ -227,20 +227,22 @@ class Tables:
     def counters_host(self) -> np.ndarray:
         return self.backend.to_host(self.counters)
 
-    def obtainable_pages(self) -> np.ndarray:
-        """[life cycles, levels]: the pages an allocation at each cache level
-        could have now without touching a locked page: the free slots, the
-        unheld candidates eviction may drop, and on the GPU the held (suspended)
+    def obtainable_pages(self, lc: int, level: int) -> int:
+        """The pages an allocation at ``level`` of life cycle ``lc`` could
+        have now without touching a locked page: the free slots, the unheld
+        candidates eviction may drop, and on the GPU the held (suspended)
         candidates while the host tier has room for them. The kernels' own
         ``available`` (kernels/evict.py) with nothing of the caller's; from the
-        counts the eviction lists keep, so it costs the same for any pool."""
-        L = self.num_life_cycles
+        counts the eviction lists keep, so it costs the same for any pool:
+        three small reads, then plain ints."""
         to_host = self.backend.to_host
-        free = to_host(self.pool_top).reshape(L, NUM_LEVELS)
-        counts = to_host(self.lru_groups[: L * NUM_LEVELS * NUM_HELD, LG_COUNT]).reshape(L, NUM_LEVELS, NUM_HELD)
-        out = free + counts[:, :, 0]
-        has_host = to_host(self.pool_size).reshape(L, NUM_LEVELS)[:, 1] > 0
-        out[:, 0] += np.where(has_host, np.minimum(counts[:, 0, 1], out[:, 1]), 0)
+        pool = lc * NUM_LEVELS  # the GPU pool; the host tier's is the next
+        free = to_host(self.pool_top[pool:pool + NUM_LEVELS]).tolist()
+        # The groups of the life cycle's pools, (level, held) in order.
+        counts = to_host(self.lru_groups[pool * NUM_HELD:(pool + NUM_LEVELS) * NUM_HELD, LG_COUNT]).tolist()
+        out = free[level] + counts[level * NUM_HELD]
+        if level == 0 and int(to_host(self.pool_size[pool + 1:pool + 2])[0]) > 0:
+            out += min(counts[1], free[1] + counts[NUM_HELD])  # held GPU pages the host tier has room for
         return out
 
     # -- growth -----------------------------------------------------------------
@@ -447,19 +449,22 @@ class Tables:
         records = np.array(self.backend.to_host(self.log[:n]))
         return records, np.array(self.backend.to_host(self.log_tokens[:k]))
 
-    def read_retired(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def read_retired(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The launch's first ``n`` retired rows (``layout.RETIRED_*``), in
-        order: ``(rows, kinds, log positions, digests)``, host copies; the
-        digests are read from the rows, which nothing reused since."""
+        order: ``(rows, kinds, log positions)``, host copies."""
         if n == 0:
             z = np.zeros(0, dtype=np.int64)
-            return z, z, z, np.zeros((0, 4), dtype=np.int64)
+            return z, z, z
         size = self.block_free.shape[0]
         entries = np.array(self.backend.to_host(self.block_free[size - n:]))[::-1]
-        rows = entries & ((1 << RETIRED_ROW_BITS) - 1)
         tag = entries >> RETIRED_ROW_BITS
-        digests = np.array(self.backend.to_host(self.blocks[self.backend.to_device(rows), BLK_DIGEST:BLK_DIGEST + 4]))
-        return rows, tag & 3, tag >> 2, digests.reshape(n, 4)
+        return entries & ((1 << RETIRED_ROW_BITS) - 1), tag & 3, tag >> 2
+
+    def digests_of(self, rows: np.ndarray) -> np.ndarray:
+        """The chain digests ([n, 4] int64) of block rows, a host copy: read
+        for retired rows before they are returned (nothing reused them yet)."""
+        d = self.backend.to_host(self.blocks[self.backend.to_device(rows), BLK_DIGEST:BLK_DIGEST + 4])
+        return np.array(d).reshape(len(rows), 4)
 
     def return_rows(self, rows: np.ndarray) -> None:
         """Push retired rows that were freed on the free stack, in the order

@@ -216,7 +216,7 @@ def _clear_workload(mgr):
         kv.close()
 
 
-@pytest.mark.parametrize("where", ["settle", "return_rows", "with_removals", "read_retired"])
+@pytest.mark.parametrize("where", ["settle", "return_rows", "with_removals", "read_retired", "digests_of"])
 def test_an_interrupted_drain_of_retired_rows_is_finished_once(where):
     """A KeyboardInterrupt at every line of the aftermath's steps that report
     and free the retired rows: the next call finishes it, and the records,
@@ -248,4 +248,4 @@ def test_an_interrupted_drain_of_retired_rows_is_finished_once(where):
         t = mgr._tables
         assert t.counters_host()[CNT_BLOCK_FREE_TOP] == t.num_rows  # every row back on the stack, once
         assert sorted(t.block_free.tolist()) == list(range(t.num_rows))
-    assert fired > 3
+    assert fired >= (2 if where == "digests_of" else 4)  # digests_of is two lines
