@@ -16,7 +16,7 @@ through the same steps, each written once:
              (``resize_batch(): caches[2]: ...``) as ``OneCache`` / ``Entries`` say
     launch   ask the priority callbacks, reserve room (the segments, free
              block rows, the change log), set the kernel arguments, launch,
-             read the caches' scalars back: ``CacheCalls._launch``, the one
+             read the caches' scalars back: ``CacheCalls._reserve_and_launch``, the one
              place that reserves table room
 
 A call's values are ints for one cache and int64 arrays for many, and one
@@ -287,7 +287,7 @@ class CacheCalls:
     def suspend_one(self, slot: int):
         status, nb = self._scalars(slot, Q_STATUS, Q_NUM_BLOCKS)
         _SUSPEND.require(status, ACTIVE)
-        self._launch(_SUSPEND, slot, SEQ_SUSPEND, span=nb)
+        self._reserve_and_launch(_SUSPEND, slot, SEQ_SUSPEND, span=nb)
 
     def resize_one(self, slot: int, capacity, history_length) -> bool:
         status, cap, hist = self._scalars(slot, Q_STATUS, Q_CAPACITY, Q_HISTORY)
@@ -310,7 +310,7 @@ class CacheCalls:
         status, nb = self._scalars(slot, Q_STATUS, Q_NUM_BLOCKS)
         if status == CLOSED:
             raise LogicError("stop_committing() on a closed KV cache")
-        self._launch(None, slot, SEQ_STOP, rows=_STOP_ROWS, announced=_stop_announced(nb), span=nb)
+        self._reserve_and_launch(None, slot, SEQ_STOP, rows=_STOP_ROWS, announced=_stop_announced(nb), span=nb)
 
     def close_one(self, kv: KVCache, evict_first):
         if not isinstance(evict_first, bool):
@@ -415,7 +415,7 @@ class CacheCalls:
             items = column(0)
             ops = np.concatenate([np.full(len(p[0]), p[1]) for p in parts])
             args = tuple(np.concatenate([p[2][c] for p in parts]) for c in range(3))
-            self._launch(naming, items, ops, args, span=column(3), allocated=column(4),
+            self._reserve_and_launch(naming, items, ops, args, span=column(3), allocated=column(4),
                          path=np.asarray(m.block_ids, dtype=np.int64)[ranges(offsets[idx[go]], nblocks[go])],
                          path_off=_offsets(column(5)))
             if growth is not None:
@@ -522,13 +522,13 @@ class CacheCalls:
             if go.size == 1:
                 i = int(go[0])
                 start = int(offsets[i])
-                self._launch(None, int(slots[i]), SEQ_SETUP_REUSE, (int(matched[i]), int(nblocks[i])),
+                self._reserve_and_launch(None, int(slots[i]), SEQ_SETUP_REUSE, (int(matched[i]), int(nblocks[i])),
                              span=int(nblocks[i]), tokens=flat[start:start + int(matched[i])],
                              path=np.asarray(m.block_ids, dtype=np.int64)[m.block_offsets[i]:m.block_offsets[i + 1]])
             elif go.size:
                 flat = flat[ranges(offsets[:-1][go], matched[go])]
                 path = np.asarray(m.block_ids, dtype=np.int64)[ranges(np.asarray(m.block_offsets)[go], nblocks[go])]
-                self._launch(None, slots[go], SEQ_SETUP_REUSE, (matched[go], nblocks[go]), span=nblocks[go],
+                self._reserve_and_launch(None, slots[go], SEQ_SETUP_REUSE, (matched[go], nblocks[go]), span=nblocks[go],
                              tokens=flat, tokens_off=_offsets(matched[go]), path=path, path_off=_offsets(nblocks[go]))
             if tokens is not None:
                 self._record_lookups(tokens.lengths(), matched)
@@ -580,7 +580,7 @@ class CacheCalls:
 
     def _resume(self, naming, slots):
         (nb,) = self._scalars(slots, Q_NUM_BLOCKS)
-        self._launch(naming, slots, SEQ_RESUME, priorities=nb, span=nb, allocated=nb + 2)
+        self._reserve_and_launch(naming, slots, SEQ_RESUME, priorities=nb, span=nb, allocated=nb + 2)
         return self.pool.host_scalars[slots, Q_RESULT] != 0
 
     def _resize(self, naming, slots, cap, hist):
@@ -592,7 +592,7 @@ class CacheCalls:
         go, s, c, h, have, blocks = planned
         k = self.pool.scratch_width
         reserved = self.pool.seg[s, 1].copy() if type(s) is _ARRAY else int(self.pool.seg[s, 1])
-        self._launch(naming, s, SEQ_RESIZE, (c, h), segment=blocks, priorities=blocks,
+        self._reserve_and_launch(naming, s, SEQ_RESIZE, (c, h), segment=blocks, priorities=blocks,
                      span=_max(have, blocks),  # the old blocks (stale ones, a shrink) and the new
                      allocated=_max(0, blocks - have) + k + 1)
         return self._resized(s, reserved, go, len(slots) if type(slots) is _ARRAY else None)
@@ -671,10 +671,10 @@ class CacheCalls:
         # ends the sequence adds to the tree: for it the new blocks and a
         # re-attached chain (the whole committed chain, in case it was
         # detached meanwhile), announcements per life cycle; for a stop its
-        # pending tail. Most decode commits complete no block and need
-        # nothing: counting their chains too made the first decode step of a
-        # large batch double the block table and grow the change log's
-        # tokens forty-fold.
+        # pending tail. Most decode commits complete no block and reserve
+        # nothing: room is for the blocks a call can touch, so a decode step
+        # over a large batch reserves no block rows or log tokens for the
+        # chains its caches already committed.
         grows = (n1 // T > full) | end
         if self.config.commit_min_snapshot:
             grows = grows | (n1 % T != 0)
@@ -683,7 +683,7 @@ class CacheCalls:
         # The rest only raise their history: per life cycle at most the
         # blocks that many tokens make stale.
         span = _where(grows, blocks, count // T + 2)
-        self._launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end), rows=_total(rows),
+        self._reserve_and_launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end), rows=_total(rows),
                      announced=announced, span=span, allocated=2 * some, tokens=flat,
                      tokens_off=_offsets(count) if is_batch(count) else None)
 
@@ -691,12 +691,12 @@ class CacheCalls:
         """``close(evict_first)`` of caches not closed yet (``caches``: the
         KVCache of each slot, which leaves the open set)."""
         (nb,) = self._scalars(slots, Q_NUM_BLOCKS)
-        self._launch(None, slots, SEQ_CLOSE, (evict_first,), rows=_STOP_ROWS * _count(slots),
+        self._reserve_and_launch(None, slots, SEQ_CLOSE, (evict_first,), rows=_STOP_ROWS * _count(slots),
                      announced=_stop_announced(nb), span=nb, closing=caches)
 
     # -- the launch ---------------------------------------------------------------------------
-    def _launch(self, naming, slots, op, args=(), *, segment=None, priorities=None, rows=0, announced=0, span=0,
-                allocated=0, tokens=None, tokens_off=None, path=None, path_off=None, closing=None):
+    def _reserve_and_launch(self, naming, slots, op, args=(), *, segment=None, priorities=None, rows=0, announced=0,
+                            span=0, allocated=0, tokens=None, tokens_off=None, path=None, path_off=None, closing=None):
         """One launch of ``op`` (or ``op[i]``) on ``slots`` with kernel
         arguments ``args``, after making room for it, the one place that does:
 
@@ -711,7 +711,7 @@ class CacheCalls:
         (not the caches' whole segments: a decode step touches a block or two
         of each, and sizing the log for every segment made it grow with the
         batch's total length). ``tokens`` / ``path``: the kernel's input
-        (``CachePool.launch``); ``closing``: the caches that close, leaving
+        (``CachePool.launch_calls``); ``closing``: the caches that close, leaving
         the open set.
 
         A batch whose change log would not fit the budget
@@ -739,7 +739,7 @@ class CacheCalls:
             if (total_announced > token_rows or log_rows_for(total, total_announced, self.L) > log_rows
                     or (copy_rows is not None and copy_rows_for(total, self.L) > copy_rows)):
                 blocks, announced = np.broadcast_to(blocks, slots.shape), np.broadcast_to(announced, slots.shape)
-                ends = self._launches(blocks, announced, log_rows, token_rows, copy_rows)
+                ends = self._split_points(blocks, announced, log_rows, token_rows, copy_rows)
                 for i, j in zip(ends[:-1].tolist(), ends[1:].tolist()):
                     part = lambda v: v[i:j] if type(v) is _ARRAY else v  # noqa: E731 (one column of the launch's caches)
                     t_part = t_off = p_part = p_off = None
@@ -747,13 +747,13 @@ class CacheCalls:
                         t_part, t_off = tokens[tokens_off[i]:tokens_off[j]], tokens_off[i:j + 1] - tokens_off[i]
                     if path is not None:
                         p_part, p_off = path[path_off[i]:path_off[j]], path_off[i:j + 1] - path_off[i]
-                    self._run(slots[i:j], part(op), tuple(map(part, args)), _total(part(blocks)),
+                    self._launch_part(slots[i:j], part(op), tuple(map(part, args)), _total(part(blocks)),
                               _total(part(announced)), t_part, t_off, p_part, p_off,
                               None if closing is None else closing[i:j])
                 return
-        self._run(slots, op, args, total, total_announced, tokens, tokens_off, path, path_off, closing)
+        self._launch_part(slots, op, args, total, total_announced, tokens, tokens_off, path, path_off, closing)
 
-    def _launches(self, blocks, announced, log_rows: int, token_rows: int, copy_rows) -> np.ndarray:
+    def _split_points(self, blocks, announced, log_rows: int, token_rows: int, copy_rows) -> np.ndarray:
         """Where consecutive launches over the caches start (and the last
         ends): as many caches each as fit ``log_rows`` change-log rows,
         ``token_rows`` token rows and ``copy_rows`` page copies (None: any
@@ -775,7 +775,7 @@ class CacheCalls:
             ends.append(min(n, max(j, i + 1)))
         return np.array(ends)
 
-    def _run(self, slots, op, args, blocks: int, announced: int, tokens, tokens_off, path, path_off, closing):
+    def _launch_part(self, slots, op, args, blocks: int, announced: int, tokens, tokens_off, path, path_off, closing):
         """One launch: the change log's room (``blocks`` in all, ``announced``
         blocks), the kernel arguments, the kernel, the caches' scalars back."""
         pool = self.pool
@@ -797,7 +797,7 @@ class CacheCalls:
         # Off the GPU the host reads the scalars in place: unless caches close
         # there is nothing to do after the kernel.
         needed = closing is not None or pool.scalars_on_device
-        pool.launch(self.launcher, slots, op, tokens, tokens_off, path, path_off, results=results if needed else None)
+        pool.launch_calls(self.launcher, slots, op, tokens, tokens_off, path, path_off, results=results if needed else None)
 
     def _ask_priorities(self, naming, slots, blocks) -> list:
         """``[(slot, rows)]``: the callbacks' page priorities for the ordinals

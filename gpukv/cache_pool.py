@@ -40,7 +40,7 @@ from .core.layout import (
     CLOSED, NULL, Q_COMMITTED, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_STATUS, Q_WIDTH, SEQ_ARGS_WIDTH,
     TREE_OUT,
 )
-from .kernels.seq import SeqPool, SeqTables, build_seq_kernels
+from .kernels.seq import SeqPool, SeqTables, build_seq_kernels, slot_tables
 from .table_sizes import scratch_width
 
 _SERIALS = itertools.count(1)  # tells every cache of the process apart (identity checks of batched calls)
@@ -415,7 +415,7 @@ class CachePool:
 
     def _sync_seg(self):
         """The kernels' copy of ``seg`` (on the device, or the host array
-        itself); ``_run`` syncs again when an exception came in between."""
+        itself); ``_launch_work`` syncs again when an exception came in between."""
         b = self.backend
         if self.arrays is None:
             return
@@ -425,7 +425,7 @@ class CachePool:
         self._synced_seg = seg
         # Segments change with every allocation, release and move: the code a
         # kernel ran on the arrays before still serves them when only ``seg``
-        # changed, for the same kind of array (``_run``), so no such launch
+        # changed, for the same kind of array (``_launch_work``), so no such launch
         # goes through the dispatcher again.
         if seg.dtype == np.int64 and seg.ndim == 2 and seg.flags.carray:
             for kernel, (tables, arrays, code) in list(self._compiled.items()):
@@ -435,16 +435,8 @@ class CachePool:
     # -- views and launches --------------------------------------------------------------
     def view(self, slot: int) -> SeqTables:
         """Slot ``slot``'s SeqTables: views into the pool, good until ``gen`` changes."""
-        a, n = int(self.seg[slot, 0]), int(self.seg[slot, 1])
-        A = self.arrays
-        b = a + n
-        T = self.T
-        return SeqTables(
-            pages=A.pages[a:b], kinds=A.kinds[a:b], tree=A.tree[a:b], tokens=A.tokens[a * T:b * T],
-            scalars=A.scalars[slot], priority=A.priority[a:b], path=A.path[a:b], args=A.args[slot], out=A.out[slot],
-            counts=A.counts[slot], scope_digest=A.scope_digest[slot], scratch=A.scratch[slot],
-            scratch_count=A.scratch_count[slot],
-        )
+        a = int(self.seg[slot, 0])
+        return slot_tables(self.arrays, slot, a, a + int(self.seg[slot, 1]), self.T)
 
     def rows(self, array, slots):
         """``array[slots]`` of a per-slot device array, on the host."""
@@ -502,7 +494,7 @@ class CachePool:
         S = self.host_scalars[np.flatnonzero(self.used)]
         return S[S[:, Q_STATUS] != CLOSED, Q_SCOPE_ID].tolist()
 
-    def launch(self, launcher, slots, ops, tokens=None, tokens_off=None, path=None, path_off=None,
+    def launch_calls(self, launcher, slots, ops, tokens=None, tokens_off=None, path=None, path_off=None,
                results=None) -> None:
         """One launch of a sequence kernel (the sizing or the commit kernel,
         as ``ops`` say: never both in one launch): call ``ops[i]`` (or ``ops``
@@ -514,7 +506,7 @@ class CachePool:
             work = self._work1  # no arrays to build for one cache
             work[0, BATCH_SLOT:BATCH_OP + 1] = slots, ops
             work[1, BATCH_TOKENS:BATCH_PATH + 1] = 0 if tokens is None else len(tokens), 0 if path is None else len(path)
-            self._run(launcher, ops >= FIRST_COMMIT_OP, work, tokens, path, results)
+            self._launch_work(launcher, ops >= FIRST_COMMIT_OP, work, tokens, path, results)
             return
         n = len(slots)
         if type(ops) is np.ndarray:
@@ -530,9 +522,9 @@ class CachePool:
             work[:, BATCH_TOKENS] = self.backend.to_host(tokens_off)
         if path is not None:
             work[:, BATCH_PATH] = path_off
-        self._run(launcher, commit, work, tokens, path, results)
+        self._launch_work(launcher, commit, work, tokens, path, results)
 
-    def _run(self, launcher, commit: bool, work, tokens, path, results):
+    def _launch_work(self, launcher, commit: bool, work, tokens, path, results):
         if self._synced_seg is not self.seg:
             self._sync_seg()
         b = self.backend

@@ -58,7 +58,7 @@ def run_job(config, job: str) -> None:
     if "commit" in names:
         # On an empty work list: a real commit needs a cache the sizing
         # kernel resized.
-        mgr._pool._run(launcher, True, np.zeros((1, BATCH_WIDTH), dtype=np.int64), None, None, None)
+        mgr._pool._launch_work(launcher, True, np.zeros((1, BATCH_WIDTH), dtype=np.int64), None, None, None)
     if "tree" in names:
         mgr._tree.insert(tokens)
     if "match" in names:

@@ -8,7 +8,7 @@ Block-indexed tables start at ``INITIAL_BLOCK_ROWS`` (or
 and the page-copy list are kept within fixed byte budgets whatever the tree's
 size (``CHANGE_LOG_BUDGET``, ``COPY_LIST_BUDGET``); what one launch needs of
 them is ``log_rows_for`` / ``log_tokens_rows_for`` / ``copy_rows_for``, and a
-batch that needs more runs as consecutive launches (``batch.CacheCalls._launch``).
+batch that needs more runs as consecutive launches (``batch.CacheCalls._reserve_and_launch``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ LOG_TOKENS_MIN_ROWS = 64
 
 # Bytes the change log (``log`` and ``log_tokens``) is kept within, whatever
 # ``max_blocks`` is: a call whose worst case needs more runs as consecutive
-# launches that each fit (``batch.CacheCalls._launch``), which is exact since
+# launches that each fit (``batch.CacheCalls._reserve_and_launch``), which is exact since
 # the calls of a batch run in order. A quarter goes to the announced tokens.
 CHANGE_LOG_BUDGET = 4 << 20
 LOG_BUDGET_MIN_ROWS = 4 * LOG_MIN_ROWS  # the least any budget gives: the slack and some room

@@ -128,6 +128,18 @@ SeqPool = namedtuple(
 
 
 @helper
+def slot_tables(P, s, a, b, T):
+    """Slot ``s``'s SeqTables: views of its rows of the pool ``P`` (a
+    ``SeqPool``), its segment being block rows ``[a, b)``; the one place they
+    are built, for the kernels (``item_tables``) and the host
+    (``CachePool.view``) alike."""
+    return SeqTables(
+        P.pages[a:b], P.kinds[a:b], P.tree[a:b], P.tokens[a * T:b * T], P.scalars[s], P.priority[a:b],
+        P.path[a:b], P.args[s], P.out[s], P.counts[s], P.scope_digest[s], P.scratch[s], P.scratch_count[s],
+    )
+
+
+@helper
 def item_tables(S, P, work, i, tokens, path):
     """Item ``i`` of the work list: its slot's SeqTables (views of the slot's
     rows of the pool, the arrays the single-cache code was written for), with
@@ -138,11 +150,7 @@ def item_tables(S, P, work, i, tokens, path):
     T = S.tokens.shape[1]
     s = work[i, BATCH_SLOT]
     a = P.seg[s, 0]
-    b = a + P.seg[s, 1]
-    Q = SeqTables(
-        P.pages[a:b], P.kinds[a:b], P.tree[a:b], P.tokens[a * T:b * T], P.scalars[s], P.priority[a:b],
-        P.path[a:b], P.args[s], P.out[s], P.counts[s], P.scope_digest[s], P.scratch[s], P.scratch_count[s],
-    )
+    Q = slot_tables(P, s, a, a + P.seg[s, 1], T)
     at = Q.args[COMMIT_FIRST] if work[i, BATCH_OP] == SEQ_COMMIT else 0
     t0 = work[i, BATCH_TOKENS]
     for j in range(work[i + 1, BATCH_TOKENS] - t0):
