@@ -781,7 +781,6 @@ class CacheCalls:
         pool = self.pool
         tables = self.tables
         tables.ensure_log(blocks, announced)
-        pool.set_args(slots, args)
         open_caches = self.open_caches
 
         def results():  # idempotent: run again when the aftermath is resumed
@@ -797,7 +796,8 @@ class CacheCalls:
         # Off the GPU the host reads the scalars in place: unless caches close
         # there is nothing to do after the kernel.
         needed = closing is not None or pool.scalars_on_device
-        pool.launch_calls(self.launcher, slots, op, tokens, tokens_off, path, path_off, results=results if needed else None)
+        pool.launch_calls(self.launcher, slots, op, args, tokens, tokens_off, path, path_off,
+                          results=results if needed else None)
 
     def _ask_priorities(self, naming, slots, blocks) -> list:
         """``[(slot, rows)]``: the callbacks' page priorities for the ordinals

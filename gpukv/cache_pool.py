@@ -36,7 +36,7 @@ import numpy as np
 from .core.config import DEFAULT_PRIORITY
 from .core.kinds import has_window, is_checkpoint
 from .core.layout import (
-    BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, FIRST_COMMIT_OP,
+    BATCH_ARGS, BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, FIRST_COMMIT_OP,
     CLOSED, NULL, Q_COMMITTED, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_STATUS, Q_WIDTH, SEQ_ARGS_WIDTH,
     TREE_OUT,
 )
@@ -131,6 +131,7 @@ class CachePool:
         self._compiled: dict = {}  # kernel -> (tables, pool arrays, compiled code) of its last dispatched launch
         self._no_tokens = xp.zeros(0, dtype=np.int32)
         self._no_path = xp.zeros(0, dtype=np.int64)
+        self._no_args = xp.zeros(SEQ_ARGS_WIDTH, dtype=np.int64)  # a view's: the arguments of no call
         self._grow_slots(16)
         self._pack(64)
 
@@ -176,7 +177,6 @@ class CachePool:
         A = self.arrays
         d = b.to_device(slots)
         A.scalars[d] = b.to_device(rows)
-        A.args[d] = 0
         A.out[d] = 0
         A.counts[d] = 0
         A.scope_digest[d] = b.to_device(np.asarray(digests, dtype=np.int64).reshape(n, 4))
@@ -252,7 +252,6 @@ class CachePool:
         W, k = self.width, self.scratch_width
         fresh = dict(
             scalars=xp.zeros((n, Q_WIDTH), dtype=np.int64),
-            args=xp.zeros((n, SEQ_ARGS_WIDTH), dtype=np.int64),
             out=xp.zeros((n, max(TREE_OUT.width, 4)), dtype=np.int64),
             counts=xp.zeros((n, W), dtype=np.int64),
             scope_digest=xp.zeros((n, 4), dtype=np.int64),
@@ -436,7 +435,7 @@ class CachePool:
     def view(self, slot: int) -> SeqTables:
         """Slot ``slot``'s SeqTables: views into the pool, good until ``gen`` changes."""
         a = int(self.seg[slot, 0])
-        return slot_tables(self.arrays, slot, a, a + int(self.seg[slot, 1]), self.T)
+        return slot_tables(self.arrays, slot, a, a + int(self.seg[slot, 1]), self.T, self._no_args)
 
     def rows(self, array, slots):
         """``array[slots]`` of a per-slot device array, on the host."""
@@ -448,24 +447,6 @@ class CachePool:
         where the device arrays are host memory)."""
         if self._on_gpu:
             self.host_scalars[slots] = self.rows(self.arrays.scalars, slots)
-
-    def set_args(self, slots, columns) -> None:
-        """The kernel arguments of ``slots``: ``columns`` (an int, or an array
-        per slot, each) first, the rest 0."""
-        b = self.backend
-        args = self.arrays.args
-        if not is_batch(slots):
-            if self._on_gpu:
-                row = np.zeros(args.shape[1], dtype=np.int64)
-                row[:len(columns)] = columns
-                args[slots] = b.to_device(row)
-            else:
-                args[slots] = tuple(columns) + (0,) * (args.shape[1] - len(columns))
-            return
-        a = np.zeros((len(slots), args.shape[1]), dtype=np.int64)
-        for c, v in enumerate(columns):
-            a[:, c] = v
-        args[b.to_device(slots)] = b.to_device(a)
 
     def store_priorities(self, slot: int, rows: np.ndarray) -> None:
         """Page priorities for the slot's next ``len(rows)`` ordinals (after
@@ -494,17 +475,20 @@ class CachePool:
         S = self.host_scalars[np.flatnonzero(self.used)]
         return S[S[:, Q_STATUS] != CLOSED, Q_SCOPE_ID].tolist()
 
-    def launch_calls(self, launcher, slots, ops, tokens=None, tokens_off=None, path=None, path_off=None,
-               results=None) -> None:
+    def launch_calls(self, launcher, slots, ops, args=(), tokens=None, tokens_off=None, path=None, path_off=None,
+                     results=None) -> None:
         """One launch of a sequence kernel (the sizing or the commit kernel,
         as ``ops`` say: never both in one launch): call ``ops[i]`` (or ``ops``
-        for all) on slot ``slots[i]``, in order, with its input tokens and
-        matched blocks (``tokens[tokens_off[i]:tokens_off[i + 1]]``, likewise
-        ``path``; None: none; for one slot, all of ``tokens`` and ``path``).
-        ``results`` as ``Launcher.launch`` takes it."""
+        for all) on slot ``slots[i]``, in order, with its arguments (column
+        ``c`` of ``args``: an int for all, or one per slot), its input tokens
+        and matched blocks (``tokens[tokens_off[i]:tokens_off[i + 1]]``,
+        likewise ``path``; None: none; for one slot, all of ``tokens`` and
+        ``path``), all in the work list. ``results`` as ``Launcher.launch``
+        takes it."""
         if not is_batch(slots):
             work = self._work1  # no arrays to build for one cache
             work[0, BATCH_SLOT:BATCH_OP + 1] = slots, ops
+            work[0, BATCH_ARGS:] = tuple(args) + (0,) * (SEQ_ARGS_WIDTH - len(args))
             work[1, BATCH_TOKENS:BATCH_PATH + 1] = 0 if tokens is None else len(tokens), 0 if path is None else len(path)
             self._launch_work(launcher, ops >= FIRST_COMMIT_OP, work, tokens, path, results)
             return
@@ -518,6 +502,8 @@ class CachePool:
         work = np.zeros((n + 1, BATCH_WIDTH), dtype=np.int64)
         work[:n, BATCH_SLOT] = slots
         work[:n, BATCH_OP] = ops
+        for c, v in enumerate(args):
+            work[:n, BATCH_ARGS + c] = v
         if tokens is not None:
             work[:, BATCH_TOKENS] = self.backend.to_host(tokens_off)
         if path is not None:

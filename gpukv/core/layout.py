@@ -330,7 +330,8 @@ TREE_OUT = Layout(
     ],
 )
 
-# Argument blocks of the serial sequence kernel (SeqTables.args: int64[SEQ_ARGS_WIDTH]).
+# Argument blocks of the serial sequence kernel (SeqTables.args: int64[SEQ_ARGS_WIDTH],
+# an item's columns of the work list).
 SEQ_ARGS_WIDTH = 4
 SETUP_ARGS = Layout("setup_args", np.int64, [("num_tokens", 1), ("num_blocks", 1)])  # blocks in SeqTables.path
 RESIZE_ARGS = Layout("resize_args", np.int64, [("capacity", 1), ("history", 1)])
@@ -370,14 +371,16 @@ SEQ_STOP = 8
 SEQ_CLOSE = 9  # CLOSE_ARGS
 FIRST_COMMIT_OP = SEQ_COMMIT  # ops from here on are the commit kernel's
 
-# The work list of one sequence launch (``work``: int64 [n + 1, BATCH_WIDTH]):
-# row i names item i's slot and op, and where its input starts in the flat
-# token and path arrays; row n only ends the last item's input.
+# The work list of one sequence launch (``work``: int64 [n + 1, BATCH_WIDTH]),
+# the one channel of every per-item input: row i names item i's slot and op,
+# where its input starts in the flat token and path arrays, and its op's
+# arguments; row n only ends the last item's input.
 BATCH_SLOT = 0
 BATCH_OP = 1
 BATCH_TOKENS = 2
 BATCH_PATH = 3
-BATCH_WIDTH = 4
+BATCH_ARGS = 4  # SEQ_ARGS_WIDTH columns
+BATCH_WIDTH = BATCH_ARGS + SEQ_ARGS_WIDTH
 
 
 # Column constants, one per field: plain assignments so grep and IDEs find

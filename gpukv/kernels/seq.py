@@ -24,6 +24,7 @@ from collections import namedtuple
 from ..core.backend import cpu_kernel, launch_stream
 from ..core.layout import (
     ADMIT_CAPACITY,
+    BATCH_ARGS,
     BATCH_OP,
     BATCH_PATH,
     BATCH_SLOT,
@@ -36,6 +37,7 @@ from ..core.layout import (
     RESIZE_CAPACITY,
     RESIZE_HISTORY,
     SEQ_ADMIT,
+    SEQ_ARGS_WIDTH,
     SEQ_CLOSE,
     SEQ_COMMIT,
     SEQ_RESIZE,
@@ -116,7 +118,6 @@ SeqPool = namedtuple(
         "priority",  # int64 [pool blocks, L]
         "path",  # int64 [pool blocks]
         "scalars",  # int64 [slots, Q_WIDTH]
-        "args",  # int64 [slots, SEQ_ARGS_WIDTH]
         "out",  # int64 [slots, TREE_OUT.width]
         "counts",  # int64 [slots, L]
         "scope_digest",  # int64 [slots, 4]
@@ -128,14 +129,14 @@ SeqPool = namedtuple(
 
 
 @helper
-def slot_tables(P, s, a, b, T):
+def slot_tables(P, s, a, b, T, args):
     """Slot ``s``'s SeqTables: views of its rows of the pool ``P`` (a
-    ``SeqPool``), its segment being block rows ``[a, b)``; the one place they
-    are built, for the kernels (``item_tables``) and the host
-    (``CachePool.view``) alike."""
+    ``SeqPool``), its segment being block rows ``[a, b)``, and the call's
+    ``args``; the one place they are built, for the kernels (``item_tables``)
+    and the host (``CachePool.view``) alike."""
     return SeqTables(
         P.pages[a:b], P.kinds[a:b], P.tree[a:b], P.tokens[a * T:b * T], P.scalars[s], P.priority[a:b],
-        P.path[a:b], P.args[s], P.out[s], P.counts[s], P.scope_digest[s], P.scratch[s], P.scratch_count[s],
+        P.path[a:b], args, P.out[s], P.counts[s], P.scope_digest[s], P.scratch[s], P.scratch_count[s],
     )
 
 
@@ -150,7 +151,7 @@ def item_tables(S, P, work, i, tokens, path):
     T = S.tokens.shape[1]
     s = work[i, BATCH_SLOT]
     a = P.seg[s, 0]
-    Q = slot_tables(P, s, a, a + P.seg[s, 1], T)
+    Q = slot_tables(P, s, a, a + P.seg[s, 1], T, work[i, BATCH_ARGS:BATCH_ARGS + SEQ_ARGS_WIDTH])
     at = Q.args[COMMIT_FIRST] if work[i, BATCH_OP] == SEQ_COMMIT else 0
     t0 = work[i, BATCH_TOKENS]
     for j in range(work[i + 1, BATCH_TOKENS] - t0):
