@@ -17,10 +17,7 @@ import pytest
 import gpukv
 from gpukv import Attention, introspect
 
-try:
-    from conftest import make_manager
-except ImportError:  # pragma: no cover
-    from tests.conftest import make_manager
+from tests.support.backends import make_manager
 
 T = 4
 

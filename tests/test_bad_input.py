@@ -20,10 +20,7 @@ from gpukv import Attention, CacheConfig, ConfigError, ReuseScope, Ssm, TokenErr
 from gpukv.core.layout import FLAG_ROOT, PAGE_FREE
 from gpukv.tree import BlockRef
 
-try:  # works whether or not tests/ is a package
-    from tests.conftest import make_manager
-except ImportError:  # pragma: no cover
-    from conftest import make_manager
+from tests.support.backends import make_manager
 
 T = 2
 LAYERS = [Attention(), Attention(window=4)]  # lc0 = F, lc1 = S

@@ -17,10 +17,7 @@ import pytest
 import gpukv
 from gpukv import Attention, Ssm, introspect
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    from conftest import backend_params, make_manager
-except ImportError:  # pragma: no cover
-    from tests.conftest import backend_params, make_manager
+from tests.support.backends import backend_params, make_manager
 
 T = 4
 LAYERS = [Attention(), Attention(window=6)]

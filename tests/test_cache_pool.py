@@ -20,10 +20,7 @@ import gpukv
 from gpukv import Attention, Ssm, introspect
 from gpukv.cache_pool import MAX_BLOCKS_FLOOR
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    from conftest import make_manager
-except ImportError:  # pragma: no cover
-    from tests.conftest import make_manager
+from tests.support.backends import make_manager
 
 T = 4
 

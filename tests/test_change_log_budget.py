@@ -11,6 +11,7 @@ and against per-cache twins run again under it."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -20,26 +21,14 @@ import gpukv
 from gpukv import introspect, table_sizes
 from gpukv.core.layout import CNT_BLOCK_FREE_TOP, EV_REMOVED, EV_ROOT_REMOVED, LOG_KIND
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    from conftest import make_manager
-    from test_batch_calls import PRESSURE_POOL, BatchLockstep
-    from test_differential import Pair, run_ops, scenario
-    from test_events_integration import SUBSET_CONFIGS
-    from test_events_integration import test_conversation_events_under_memory_pressure_are_consistent as events_under_pressure
-    from test_events_integration import test_conversation_events_with_a_host_tier_are_consistent as events_with_a_host_tier
-    from test_hostile_input import SHARED_VICTIM, requests_sharing_a_victim
-    from test_kvcache_differential import CONFIG_IDS, CONFIGS, run_workload
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests.conftest import make_manager
-    from tests.test_batch_calls import PRESSURE_POOL, BatchLockstep
-    from tests.test_differential import Pair, run_ops, scenario
-    from tests.test_events_integration import (
-        SUBSET_CONFIGS,
-        test_conversation_events_under_memory_pressure_are_consistent as events_under_pressure,
-        test_conversation_events_with_a_host_tier_are_consistent as events_with_a_host_tier,
-    )
-    from tests.test_hostile_input import SHARED_VICTIM, requests_sharing_a_victim
-    from tests.test_kvcache_differential import CONFIG_IDS, CONFIGS, run_workload
+from tests.support.backends import make_manager
+from tests.support.batch_lockstep import BatchLockstep
+from tests.support.engine import Engine
+from tests.support.event_lockstep import SUBSET_CONFIGS, events_under_memory_pressure, events_with_a_host_tier
+from tests.support.interrupts import Interrupter
+from tests.support.lockstep import CONFIG_IDS, CONFIGS, PRESSURE_POOL, run_workload
+from tests.support.subtree_victim import SHARED_VICTIM, requests_sharing_a_victim
+from tests.support.tree_lockstep import Pair, run_ops, scenario
 
 T = 4
 
@@ -76,12 +65,8 @@ class Counted(BatchLockstep):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        import dataclasses
-
         events = dataclasses.replace(self.mgr.config, max_kv_event_entries=1 << 20)
         self.mgr = gpukv.KVCacheManager(events)
-        from engine import Engine
-
         self.engine = Engine(self.mgr)
         self.twin = gpukv.KVCacheManager(dataclasses.replace(events, backend="cpu"))
         self.calls = 0
@@ -181,7 +166,7 @@ def test_conversations_agree_with_the_oracle_on_a_tiny_log(tiny_log, config):
 
 @pytest.mark.parametrize("config", SUBSET_CONFIGS, ids=[c[0] for c in SUBSET_CONFIGS])
 def test_conversation_events_are_consistent_on_a_tiny_log(tiny_log, config):
-    events_under_pressure(config)
+    events_under_memory_pressure(config)
 
 
 @pytest.mark.parametrize("config", SUBSET_CONFIGS, ids=[c[0] for c in SUBSET_CONFIGS])
@@ -221,8 +206,6 @@ def test_an_interrupted_drain_of_retired_rows_is_finished_once(where):
     """A KeyboardInterrupt at every line of the aftermath's steps that report
     and free the retired rows: the next call finishes it, and the records,
     the events and the free stack are those of an uninterrupted twin."""
-    from test_launch_faults import Interrupter
-
     def manager():
         mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64, max_kv_event_entries=1000)
         return mgr, introspect.record_log(mgr)

@@ -56,10 +56,7 @@ from gpukv.core.layout import (
     NULL,
 )
 
-try:  # works whether or not tests/ is a package
-    from tests.event_checks import check_event_consistency
-except ImportError:  # pragma: no cover
-    from event_checks import check_event_consistency
+from tests.support.event_checks import check_event_consistency
 
 T = 2
 WINDOWS = [T, 0]  # lc0: SWA with window T; lc1: full attention (no window)

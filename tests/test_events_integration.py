@@ -36,7 +36,6 @@ import pytest
 
 import gpukv
 from gpukv import Attention, ReuseScope, introspect
-from gpukv.core.config import KIND_SSM
 from gpukv.event_types import (
     Diff,
     KVCacheEvent,
@@ -48,20 +47,22 @@ from gpukv.event_types import (
 )
 from gpukv.core.hashing import sequence_to_blockchain_keys
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    import scenario_rigs
-    import test_kvcache_differential as differential
-    import test_kvcache_scenarios as scenarios
-    from conftest import make_manager
-    from event_checks import EventTracker, check_event_consistency
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests import scenario_rigs
-    from tests import test_kvcache_differential as differential
-    from tests import test_kvcache_scenarios as scenarios
-    from tests.conftest import make_manager
-    from tests.event_checks import EventTracker, check_event_consistency
+from tests.support import scenario_rigs
+from tests import test_kvcache_scenarios as scenarios
+from tests.support.backends import make_manager
+from tests.support.engine import attached_blocks
+from tests.support.event_checks import EventTracker, check_event_consistency
+from tests.support.event_lockstep import (
+    MANY,
+    STEPS,
+    SUBSET_CONFIGS,
+    EventLockstep,
+    events_under_memory_pressure,
+    events_with_a_host_tier,
+    step_with_attention_lower_bound,
+)
+from tests.support.lockstep import CONFIG_IDS, CONFIGS, PRESSURE_POOL
 
-MANY = 1 << 20  # a queue cap nothing reaches: the trackers need complete streams
 PRIORITY = 35  # the default eviction priority, reported in stored payloads
 
 
@@ -449,107 +450,42 @@ def test_introspect_announce_hooks_validate(blocks_mgr):
 
 
 # ---------------------------------------------------------------------------
-# event consistency of the differential workloads
+# event consistency of the lockstep workloads (tests/support/event_lockstep.py)
 # ---------------------------------------------------------------------------
 
 
-def step_with_attention_lower_bound(tracker: EventTracker):
-    """``tracker.step()``, and every whole-block page of an attention life
-    cycle is announced (SSM snapshots of full blocks are taken after the
-    block's stored event, §2.5.1, and stay unannounced)."""
-    tracker.step()
-    kinds = [lc.kind for lc in tracker.mgr.config.life_cycles]
-    missing = [(h, lc) for h, lc in tracker.unannounced_covered() if kinds[lc] != KIND_SSM]
-    assert not missing, f"whole-block attention pages never announced: {missing}\n{introspect.dump(tracker.mgr)}"
-
-
-class EventLockstep(differential.Lockstep):
-    """``Lockstep`` with events on the gpukv side, checked after every step by
-    an ``EventTracker`` instead of the oracle comparison (which
-    ``test_kvcache_differential.py`` runs on the same workloads); every call
-    still runs on both sides and must agree there.
-
-    Besides the tracker's rules: every whole-block page of an attention life
-    cycle is announced, and the final clear leaves nothing announced.
-
-    ``host_tier``: gpukv gets ``gpu_pages`` GPU pages per life cycle and a
-    host tier big enough that nothing is ever dropped, against an oracle
-    that never evicts. Pages then only move between levels, so the trees
-    stay equal (as long as the pages the open caches lock fit on the GPU;
-    otherwise gpukv rightly refuses a resize the oracle grants), and the
-    updated events (both ways) keep the consumer's cache
-    levels true (the tracker checks them against the pages)."""
-
-    def __init__(self, rng, config, pool=differential.POOL, host_tier=False, gpu_pages=24):
-        make = differential.make_manager
-
-        def with_events(backend, **kw):
-            if host_tier:
-                kw.update(pages_per_life_cycle=gpu_pages, host_pages_per_life_cycle=differential.POOL)
-            return make(backend, max_kv_event_entries=MANY, **kw)
-
-        differential.make_manager = with_events
-        try:
-            super().__init__(rng, config, pool)
-        finally:
-            differential.make_manager = make
-        self.tracker = EventTracker(self.mgr)
-
-    def check(self):
-        step_with_attention_lower_bound(self.tracker)
-
-    def run_steps(self, steps):
-        stats = super().run_steps(steps)
-        assert self.tracker.announced == {}  # run_steps ends with a clear
-        assert self.tracker.counts["stored"] > 0 and self.tracker.counts["removed"] > 0
-        return stats
-
-
-# A representative subset for the default run: every life-cycle kind, with
-# and without commit_min_snapshot, backoff and partial reuse.
-SUBSET = ["F-nopartial-backoff", "F+S", "S+F+Ssink-cms-backoff", "S-only-cms", "F+S+M-partial"]
-SUBSET_CONFIGS = [c for c in differential.CONFIGS if c[0] in SUBSET]
-STEPS = 200
-
-
-@pytest.mark.parametrize("config", differential.CONFIGS, ids=differential.CONFIG_IDS)
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_conversation_events_are_consistent(config):
     EventLockstep(random.Random(0), config).run_steps(STEPS)
 
 
 @pytest.mark.parametrize("config", SUBSET_CONFIGS, ids=[c[0] for c in SUBSET_CONFIGS])
 def test_conversation_events_under_memory_pressure_are_consistent(config):
-    lock = EventLockstep(random.Random(0), config, differential.PRESSURE_POOL)
-    lock.run_steps(STEPS)
-    assert lock.mgr.get_and_reset_eviction_stats()["dropped"] > 0
+    events_under_memory_pressure(config)
 
 
 @pytest.mark.parametrize("config", SUBSET_CONFIGS, ids=[c[0] for c in SUBSET_CONFIGS])
 def test_conversation_events_with_a_host_tier_are_consistent(config):
-    lock = EventLockstep(random.Random(0), config, host_tier=True)
-    lock.run_steps(STEPS)
-    evicted = lock.mgr.get_and_reset_eviction_stats()
-    assert evicted["migrated"] == evicted["evicted"] > 0 and evicted["dropped"] == 0
-    assert lock.tracker.counts["updated"] > 0
+    events_with_a_host_tier(config)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", differential.CONFIGS, ids=differential.CONFIG_IDS)
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("seed", range(1, 5))
 def test_conversation_events_are_consistent_long(config, seed):
     EventLockstep(random.Random(seed), config).run_steps(1000)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", differential.CONFIGS, ids=differential.CONFIG_IDS)
-@pytest.mark.parametrize("pool", [differential.PRESSURE_POOL, 12])
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("pool", [PRESSURE_POOL, 12])
 @pytest.mark.parametrize("seed", range(1, 5))
 def test_conversation_events_under_memory_pressure_are_consistent_long(config, pool, seed):
     EventLockstep(random.Random(seed), config, pool).run_steps(1000)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", differential.CONFIGS, ids=differential.CONFIG_IDS)
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("seed", range(1, 5))
 def test_conversation_events_with_a_host_tier_are_consistent_long(config, seed):
     # Longer turns lock more pages at once: 48 GPU pages leave room for them
@@ -653,7 +589,7 @@ def test_a_partial_snapshot_never_announces_a_detached_block():
     assert kv.resume() is not False
     assert kv.resize(3, 3)
     kv.commit([7, 8, 9])
-    assert differential.attached_blocks(mgr) == {}  # the tree is empty ...
+    assert attached_blocks(mgr) == {}  # the tree is empty ...
     tracker.step()  # ... so nothing may stay announced
 
 

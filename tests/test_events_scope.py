@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from gpukv import ReuseScope
 from gpukv.event_types import KVCacheRemovedData, KVCacheStoredData
-from tests.conftest import make_manager
+from tests.support.backends import make_manager
 
 
 def commit(mgr, tokens, scope=None):

@@ -17,12 +17,8 @@ import gpukv
 from gpukv import Attention, introspect
 from gpukv.core.layout import LG_COUNT, LG_LOWEST, NULL, PAGE_HOLDERS, PAGE_LOCKS, PAGE_LRU_LIST, PAGE_LRU_PREV, PAGE_LRU_TICK
 
-try:
-    from conftest import make_manager
-    from engine import Engine
-except ImportError:  # pragma: no cover
-    from tests.conftest import make_manager
-    from tests.engine import Engine
+from tests.support.backends import make_manager
+from tests.support.engine import Engine
 
 T = 4
 

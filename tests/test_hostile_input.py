@@ -24,10 +24,8 @@ import gpukv
 from gpukv import Attention, ReuseScope, introspect
 from gpukv.cli import main as cli_main
 
-try:  # works whether or not tests/ is a package
-    from tests.conftest import make_manager
-except ImportError:  # pragma: no cover
-    from conftest import make_manager
+from tests.support.backends import make_manager
+from tests.support.subtree_victim import SHARED_VICTIM, requests_sharing_a_victim
 
 T = 4
 DIGEST = bytes(range(32))
@@ -249,26 +247,6 @@ def test_the_change_log_is_sized_for_a_launch_not_for_the_pool():
     assert mgr._tables.log.nbytes < 1 << 20
     mgr.clear_reusable_blocks()  # one launch that removes every block
     introspect.check_sanity(mgr)
-
-
-SHARED_VICTIM = [1, 2, 3, 4]  # the first block of every request of requests_sharing_a_victim
-
-
-def requests_sharing_a_victim(backend, n: int):
-    """A manager where ``n`` cached requests of two blocks (T = 4) share a
-    first block that is the first eviction victim (priority 0), and 15
-    pages are free: the next eviction removes every request's blocks. Its
-    events so far are drained."""
-    mgr = make_manager(backend, tokens_per_block=T, layers=[Attention()], pages_per_life_cycle=n + 16,
-                       max_kv_event_entries=10 * n)
-    for i in range(n):
-        tokens = SHARED_VICTIM + [10 + i, 5, 6, 7]
-        kv = mgr.create_kv_cache(input_tokens=tokens, priority_callback=lambda o, lc: 0 if o == 0 else 100)
-        assert kv.resume() and kv.resize(len(tokens), kv.num_committed_tokens)
-        kv.commit(tokens[kv.num_committed_tokens:])
-        kv.close()
-    mgr.get_latest_events()
-    return mgr
 
 
 def test_one_eviction_that_takes_a_whole_subtree_fits_the_log(backend):

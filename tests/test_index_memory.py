@@ -11,12 +11,8 @@ import pytest
 import gpukv
 from gpukv import Attention, Ssm, introspect
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    from conftest import make_manager
-    from test_fault_injection import FaultyWorkload
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests.conftest import make_manager
-    from tests.test_fault_injection import FaultyWorkload
+from tests.support.backends import make_manager
+from tests.support.faults import FaultyWorkload
 
 T = 4
 

@@ -4,7 +4,7 @@ An engine that owns its KV (``page_bytes=0``) drives batches of requests
 through the batched calls (``create_kv_caches``, ``resume_batch``,
 ``resize_batch``, ``commit_batch``, ``close_batch``) and takes the page
 copies (``take_page_copies``) every step, carrying them out on its own
-arrays (``tests/engine.py``). Each kind of call is swept: every other run
+arrays (``tests/support/engine.py``). Each kind of call is swept: every other run
 of it is interrupted before the ``N``-th line of gpukv's host code it runs
 (``KeyboardInterrupt`` from a trace function, as a signal handler would
 raise it), N = 1, 1 + s, 1 + 2s, ... until a run completes without the
@@ -31,14 +31,9 @@ import pytest
 import gpukv
 from gpukv import Attention, Ssm, introspect
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    from conftest import GPU_BACKEND, make_manager
-    from engine import Engine
-    from test_fault_injection import run_interrupted_at_line
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests.conftest import GPU_BACKEND, make_manager
-    from tests.engine import Engine
-    from tests.test_fault_injection import run_interrupted_at_line
+from tests.support.backends import GPU_BACKEND, make_manager
+from tests.support.engine import Engine
+from tests.support.interrupts import run_interrupted_at_line
 
 T = 4
 ACTIVE = gpukv.KVCacheStatus.ACTIVE

@@ -12,7 +12,7 @@ import pytest
 
 import gpukv
 from gpukv import introspect
-from conftest import backend_params, make_manager
+from tests.support.backends import backend_params, make_manager
 
 T = 32
 

@@ -1,9 +1,9 @@
 """The sequence layer (``create_kv_cache`` / ``KVCache``) against the worked
 scenarios of docs/semantics.md §6.1-6.3, each written once and played on every side
-(``tests/scenario_rigs.py``): the plain-Python oracle (``tests/oracle_kv.py``),
+(``tests/support/scenario_rigs.py``): the plain-Python oracle (``tests/support/oracle_kv.py``),
 ``cpu``, and the CUDA kernels (in the simulator unless ``GPUKV_TEST_CUDA=1``).
 
-On a backend every cache is driven by the test engine (``tests/engine.py``) on
+On a backend every cache is driven by the test engine (``tests/support/engine.py``) on
 real page memory (``page_bytes = 8 * T``): it writes a value derived from the
 whole token prefix for every computed token; on the oracle its fake engine does
 the same in page dicts. Every reuse is verified after ``resume``, and every
@@ -26,12 +26,8 @@ import pytest
 import gpukv
 from gpukv import Attention, ReuseScope, Ssm
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    import oracle_kv as OK
-    from scenario_rigs import ORACLE, make_rig, scenario, status
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests import oracle_kv as OK
-    from tests.scenario_rigs import ORACLE, make_rig, scenario, status
+from tests.support import oracle_kv as OK
+from tests.support.scenario_rigs import ORACLE, make_rig, scenario, status
 
 
 # ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import pytest
 
 import gpukv
 from gpukv import introspect
-from conftest import make_manager
+from tests.support.backends import make_manager
 
 T = 32
 

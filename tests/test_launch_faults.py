@@ -3,7 +3,7 @@ aftermath, interrupts anywhere in a call, re-entrant callbacks, a second
 thread, an interrupted scope registration, an interrupted first kernel load.
 
 Every check is on outcomes: reused pages hold exactly the data written for
-their prefix (real page memory, ``tests/engine.py``), events equal those of
+their prefix (real page memory, ``tests/support/engine.py``), events equal those of
 an uninterrupted twin, the tables pass ``check_sanity``.
 """
 
@@ -24,12 +24,9 @@ import pytest
 import gpukv
 from gpukv import Attention, ReuseScope, Ssm, introspect
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    from conftest import backend_params, make_manager
-    from engine import Engine
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests.conftest import backend_params, make_manager
-    from tests.engine import Engine
+from tests.support.backends import backend_params, make_manager
+from tests.support.engine import Engine
+from tests.support.interrupts import HOST, Interrupter
 
 T = 4
 
@@ -193,56 +190,8 @@ def test_a_cache_closed_in_a_launch_cut_short_leaves_the_open_set():
 
 
 # ---------------------------------------------------------------------------
-# interrupts anywhere in a call
+# interrupts anywhere in a call (tests/support/interrupts.py)
 # ---------------------------------------------------------------------------
-
-_HOST = os.path.dirname(gpukv.__file__)
-_KERNELS = os.path.join(_HOST, "kernels")
-_LAUNCHER = os.path.join(_HOST, "launcher.py")
-
-
-class Interrupter:
-    """Raises KeyboardInterrupt before the ``k``-th line gpukv's host code runs
-    in the next call, as a signal handler would (kernels, and the call guard's
-    own entry and exit, which the interpreter cannot interrupt between
-    instructions that matter, are left alone)."""
-
-    def __init__(self, only: str | None = None):
-        self.k = 0
-        self.fired = 0
-        self.only = only  # count lines of the functions of this name only
-
-    def arm(self, k):
-        self.k = k
-
-    def _local(self, frame, event, arg):
-        if event == "line" and self.k:
-            self.k -= 1
-            if self.k == 0:
-                self.fired += 1
-                raise KeyboardInterrupt("interrupted")
-        return self._local
-
-    def _global(self, frame, event, arg):
-        f = frame.f_code.co_filename
-        if not f.startswith(_HOST) or f.startswith(_KERNELS):
-            return None
-        if f == _LAUNCHER and frame.f_code.co_name in ("run", "call"):
-            return None
-        if self.only is not None and frame.f_code.co_name != self.only:
-            return None
-        return self._local
-
-    def __call__(self, fn, *args, **kwargs):
-        """``fn(...)``; None when it was interrupted."""
-        sys.settrace(self._global)
-        try:
-            return fn(*args, **kwargs)
-        except KeyboardInterrupt:
-            return None
-        finally:
-            sys.settrace(None)
-            self.k = 0
 
 
 def interrupted_workload(mgr, engine, rng, prompts, interrupt) -> int:
@@ -573,7 +522,7 @@ def test_an_interrupted_first_kernel_load_can_be_retried():
     assert mgr.probe_reuse(list(range(17))) == 16
     env = dict(os.environ)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    env["PYTHONPATH"] = os.path.dirname(_HOST) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.path.dirname(HOST) + os.pathsep + env.get("PYTHONPATH", "")
     interrupted = 0
     for delay in (0.05, 0.3, 0.8):
         out = subprocess.run([sys.executable, "-c", _FIRST_LOAD, str(delay)], capture_output=True, text=True, env=env,

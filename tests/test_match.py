@@ -18,10 +18,7 @@ from gpukv import Attention, ReuseScope, Ssm, introspect
 from gpukv.core.layout import FLAG_ROOT
 from gpukv.tree import BlockRef
 
-try:  # works whether or not tests/ is a package
-    from tests.conftest import make_manager
-except ImportError:  # pragma: no cover
-    from conftest import make_manager
+from tests.support.backends import make_manager
 
 
 # ---------------------------------------------------------------------------

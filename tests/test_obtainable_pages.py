@@ -13,10 +13,7 @@ import pytest
 from gpukv import Attention, introspect
 from gpukv.core.layout import PAGE_FREE, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LIFE_CYCLE, PAGE_LOCKS, PAGE_STATE, PAGE_COMMITTED
 
-try:
-    from conftest import make_manager
-except ImportError:  # pragma: no cover
-    from tests.conftest import make_manager
+from tests.support.backends import make_manager
 
 T = 4
 

@@ -1,4 +1,4 @@
-"""Scenario tests of the plain-Python oracle (tests/oracle.py) against the worked
+"""Scenario tests of the plain-Python oracle (tests/support/oracle.py) against the worked
 examples of docs/semantics.md. Each test sets up a tree, acts, and
 asserts concrete numbers; every test ends with ``check_sanity``."""
 
@@ -8,10 +8,7 @@ import hashlib
 
 import pytest
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    from oracle import FULL, SSM, SWA, Block, LifeCycle, Oracle, block_key, root_key, scope_bytes
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests.oracle import FULL, SSM, SWA, Block, LifeCycle, Oracle, block_key, root_key, scope_bytes
+from tests.support.oracle import FULL, SSM, SWA, Block, LifeCycle, Oracle, block_key, root_key, scope_bytes
 
 F = LifeCycle(FULL)
 

@@ -1,4 +1,4 @@
-"""Tests of the sequence-layer oracle (tests/oracle_kv.py) on its own: its
+"""Tests of the sequence-layer oracle (tests/support/oracle_kv.py) on its own: its
 eviction order, its status and commit-state errors, and seeded random
 multi-turn conversations with rewinds. Every test ends with ``check_sanity``.
 
@@ -13,14 +13,9 @@ from collections import Counter
 
 import pytest
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    import test_kvcache_differential as differential
-    from oracle import FULL, SSM, LifeCycle
-    from oracle_kv import CommitState, KVOracle, LogicError, Status, run_turn, verify_reuse, write_tokens
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests import test_kvcache_differential as differential
-    from tests.oracle import FULL, SSM, LifeCycle
-    from tests.oracle_kv import CommitState, KVOracle, LogicError, Status, run_turn, verify_reuse, write_tokens
+from tests.support import lockstep
+from tests.support.oracle import FULL, SSM, LifeCycle
+from tests.support.oracle_kv import CommitState, KVOracle, LogicError, Status, run_turn, verify_reuse, write_tokens
 
 F = LifeCycle(FULL)
 
@@ -116,9 +111,9 @@ def test_status_and_commit_state_errors():
 
 # (name, T, life cycles, commit_min_snapshot, enable_partial_reuse, backoff): the
 # configurations the lockstep runs of test_kvcache_differential.py use, oracle side.
-RANDOM_CONFIGS = [(name, T, lcs, cms, partial, backoff) for name, T, _, lcs, cms, partial, backoff in differential.CONFIGS]
-VOCAB = differential.VOCAB
-SCOPES = differential.ORACLE_SCOPES
+RANDOM_CONFIGS = [(name, T, lcs, cms, partial, backoff) for name, T, _, lcs, cms, partial, backoff in lockstep.CONFIGS]
+VOCAB = lockstep.VOCAB
+SCOPES = lockstep.ORACLE_SCOPES
 
 
 class Conversations:

@@ -23,14 +23,10 @@ import gpukv.launcher as launcher_module
 from gpukv import Attention, introspect
 from gpukv.core.layout import CNT_NUM_COPIES, COPY_WIDTH
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    from conftest import GPU_BACKEND, make_manager
-    from engine import Engine
-    from test_fault_injection import FaultyWorkload, run_interrupted_at_line
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests.conftest import GPU_BACKEND, make_manager
-    from tests.engine import Engine
-    from tests.test_fault_injection import FaultyWorkload, run_interrupted_at_line
+from tests.support.backends import GPU_BACKEND, make_manager
+from tests.support.engine import Engine
+from tests.support.faults import FaultyWorkload
+from tests.support.interrupts import run_interrupted_at_line
 
 T = 4
 

@@ -12,10 +12,7 @@ import pytest
 from gpukv import Attention
 from gpukv.core.layout import PAGE_FREE, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LOCKS, PAGE_POOL_INDEX, PAGE_STATE
 
-try:
-    from conftest import make_manager
-except ImportError:  # pragma: no cover
-    from tests.conftest import make_manager
+from tests.support.backends import make_manager
 
 T = 4
 

@@ -19,10 +19,7 @@ import pytest
 import gpukv
 from gpukv import Attention, TokenSequence, introspect
 
-try:  # works whether or not tests/ is a package
-    from tests.conftest import make_manager
-except ImportError:  # pragma: no cover
-    from conftest import make_manager
+from tests.support.backends import make_manager
 
 
 def host(a) -> list:

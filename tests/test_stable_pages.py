@@ -17,12 +17,8 @@ import pytest
 
 from gpukv import Attention, ConfigError, introspect
 
-try:
-    from conftest import make_manager
-    from engine import Engine
-except ImportError:  # pragma: no cover
-    from tests.conftest import make_manager
-    from tests.engine import Engine
+from tests.support.backends import make_manager
+from tests.support.engine import Engine
 
 T = 4
 PROMPT = list(range(100, 100 + 3 * T))

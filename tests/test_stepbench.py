@@ -8,19 +8,11 @@ committed tokens and capacity, and leave the same tokens reusable.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import gpukv
-
-try:
-    from bench import stepbench as sb
-except ImportError:  # run as plain ``pytest``: the checkout is not on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench import stepbench as sb
+from bench import stepbench as sb
 
 
 class LoopedBatchedCalls(gpukv.KVCacheManager):

@@ -14,10 +14,7 @@ import gpukv
 from gpukv import streams as streams_module
 from gpukv.core import backend as backend_module
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    from conftest import GPU_BACKEND, make_manager
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests.conftest import GPU_BACKEND, make_manager
+from tests.support.backends import GPU_BACKEND, make_manager
 
 T = 4
 

@@ -32,10 +32,7 @@ from gpukv.core.layout import (
 )
 from gpukv.tree import BlockRef
 
-try:  # works whether or not tests/ is a package
-    from tests.conftest import make_manager
-except ImportError:  # pragma: no cover
-    from conftest import make_manager
+from tests.support.backends import make_manager
 
 
 # ---------------------------------------------------------------------------

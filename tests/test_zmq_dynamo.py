@@ -1,6 +1,6 @@
 """gpukv workers routed by the real router: NVIDIA Dynamo's standalone KV indexer.
 
-Each test starts ``python -m dynamo.indexer`` (``tests/dynamo_indexer.py``;
+Each test starts ``python -m dynamo.indexer`` (``tests/support/dynamo_indexer.py``;
 skipped, with the reason, when ``ai-dynamo-runtime`` is not installed),
 drives several managers, each publishing its events with a
 ``ZmqEventPublisher``, and holds the indexer's per-worker overlap scores
@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.dynamo_indexer import DynamoIndexer, dynamo_missing_reason, free_port, needs_dynamo
+from tests.support.dynamo_indexer import DynamoIndexer, dynamo_missing_reason, free_port, needs_dynamo
 
 pytestmark = needs_dynamo()
 
@@ -25,8 +25,8 @@ if dynamo_missing_reason() is None:
     from gpukv import Attention, ReuseScope, Ssm
     from gpukv.core.hashing import sequence_to_blockchain_keys
     from gpukv.zmq_events import ZmqEventPublisher, router_lora_name
-    from tests.conftest import make_manager
-    from tests.event_checks import tree_blocks
+    from tests.support.backends import make_manager
+    from tests.support.event_checks import tree_blocks
 
 T = 4
 SETTLE_S = 10.0  # how long the indexer may take to apply what was published

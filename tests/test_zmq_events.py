@@ -19,7 +19,7 @@ import gpukv  # noqa: E402
 from gpukv import Attention, ReuseScope, Ssm  # noqa: E402
 from gpukv.core.hashing import sequence_to_blockchain_keys  # noqa: E402
 from gpukv.zmq_events import END_SEQ, ZmqEventPublisher, router_lora_name  # noqa: E402
-from tests.conftest import make_manager  # noqa: E402
+from tests.support.backends import make_manager  # noqa: E402
 
 
 # -- vLLM's event structs, by shape ---------------------------------------------------------------

@@ -12,7 +12,7 @@ from gpukv import cli
 from gpukv.sim.cluster import Cluster, offset_endpoint, run_cluster
 from gpukv.sim.simulate import SimOptions
 from gpukv.sim.workload import default_workload
-from tests.dynamo_indexer import DynamoIndexer, free_port, needs_dynamo
+from tests.support.dynamo_indexer import DynamoIndexer, free_port, needs_dynamo
 
 T = 16
 SMALL = ["--conversations", "8", "--duration", "5", "--tokens-per-block", str(T), "--backend", "cpu",

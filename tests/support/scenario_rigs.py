@@ -2,9 +2,9 @@
 
 A scenario (``test_kvcache_scenarios.py``) is written once against the methods
 of ``Rig`` and runs on every *side*: ``"oracle"`` is the plain-Python model
-(``tests/oracle_kv.py``, whose fake engine keeps page data in dicts); a backend
+(``tests/support/oracle_kv.py``, whose fake engine keeps page data in dicts); a backend
 name (``"cpu"``, ``"cudasim"`` or ``"cuda"``) is a ``KVCacheManager`` with real
-page memory, played by the test engine (``tests/engine.py``). Both sides take
+page memory, played by the test engine (``tests/support/engine.py``). Both sides take
 the configuration in gpukv's terms (``Attention`` / ``Ssm`` layers,
 ``ReuseScope``), and report pages by their pool index, so one expected number
 serves both. The caches themselves (``KVSeq`` on the oracle side, ``KVCache``
@@ -24,16 +24,10 @@ import gpukv
 from gpukv import Attention, ReuseScope, Ssm, introspect
 from gpukv.core.layout import FLAG_ATTACHED, FLAG_IN_USE
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    import oracle as O
-    import oracle_kv as OK
-    from conftest import GPU_BACKEND, make_manager
-    from engine import Engine, attached_rows, chain_rows, token_value
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests import oracle as O
-    from tests import oracle_kv as OK
-    from tests.conftest import GPU_BACKEND, make_manager
-    from tests.engine import Engine, attached_rows, chain_rows, token_value
+from tests.support import oracle as O
+from tests.support import oracle_kv as OK
+from tests.support.backends import GPU_BACKEND, make_manager
+from tests.support.engine import Engine, attached_rows, chain_rows, token_value
 
 ORACLE = "oracle"
 

@@ -1,5 +1,5 @@
 """A plain-Python model of the KV cache manager's *sequence layer*, on top of the
-block-radix-tree oracle in ``tests/oracle.py``, written to follow
+block-radix-tree oracle in ``tests/support/oracle.py``, written to follow
 ``docs/semantics.md`` literally.
 
 It is the reference for differential tests of gpukv's ``KVCacheManager`` /
@@ -88,10 +88,7 @@ from contextlib import contextmanager
 from itertools import chain
 from typing import Optional
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    import oracle as O
-except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests import oracle as O
+from tests.support import oracle as O
 
 FULL, SWA, SSM = O.FULL, O.SWA, O.SSM
 LifeCycle = O.LifeCycle
