@@ -31,7 +31,7 @@ def step_with_attention_lower_bound(tracker: EventTracker):
 class EventLockstep(Lockstep):
     """``Lockstep`` with events on the gpukv side, checked after every step by
     an ``EventTracker`` instead of the oracle comparison (which
-    ``test_kvcache_differential.py`` runs on the same workloads); every call
+    ``tests/caches/test_conversations_vs_oracle.py`` runs on the same workloads); every call
     still runs on both sides and must agree there.
 
     Besides the tracker's rules: every whole-block page of an attention life

@@ -1,6 +1,6 @@
 """Two rigs that play the worked scenarios of docs/semantics.md §6 the same way.
 
-A scenario (``test_kvcache_scenarios.py``) is written once against the methods
+A scenario (``tests/caches/test_worked_scenarios.py``) is written once against the methods
 of ``Rig`` and runs on every *side*: ``"oracle"`` is the plain-Python model
 (``tests/support/oracle_kv.py``, whose fake engine keeps page data in dicts); a backend
 name (``"cpu"``, ``"cudasim"`` or ``"cuda"``) is a ``KVCacheManager`` with real

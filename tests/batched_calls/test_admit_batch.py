@@ -3,7 +3,7 @@
 
 That it equals ``create_kv_caches`` and then, per cache, ``resume()`` and
 ``resize()`` is checked against the oracle and the per-cache calls in
-``test_batch_calls`` (random workloads, with pressure and refusals). Here:
+``test_batched_vs_per_cache.py`` (random workloads, with pressure and refusals). Here:
 when a match is current, what a stale one does, the input checks (each
 refusal changing nothing), and that the caches of one call hold their
 prefixes before any of them allocates.

@@ -137,7 +137,7 @@ def test_a_subtree_removal_takes_no_log_room(tiny_log):
     (priority 0): its death removes every request's blocks in the launch of
     one resize, far more records than the log has rows; all are reported,
     each before the records logged after it, and the log does not grow."""
-    n = 1000  # cpu only: the simulator takes a minute (test_hostile_input runs a small one on it)
+    n = 1000  # cpu only: the simulator takes a minute (tests/input_validation/test_hostile_input.py runs a small one on it)
     mgr = requests_sharing_a_victim("cpu", n)
     shared = SHARED_VICTIM
     rows = mgr._tables.log.shape[0]

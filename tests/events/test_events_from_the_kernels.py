@@ -1,6 +1,6 @@
 """KV cache events from a real manager (docs/semantics.md §4, §6.4, §3 invariant 16).
 
-``test_events.py`` drives the event manager with synthetic change-log records;
+``test_event_manager.py`` drives the event manager with synthetic change-log records;
 here the records come from the kernels: commits, partial snapshots, clears,
 page deaths, subtree removals, eviction and migration to the host tier.
 
@@ -9,10 +9,10 @@ page deaths, subtree removals, eviction and migration to the host tier.
   stored paths with ``introspect.event_manager_add_stored_block`` /
   ``_life_cycle``), the ``sha256_64`` format, the queue cap, and the removed
   events of an eviction without a host tier.
-- Event consistency of whole workloads: the random conversations of
-  ``test_kvcache_differential.py`` (oracle and gpukv in lockstep) and the
-  worked scenarios of ``test_kvcache_scenarios.py``, rerun with events on,
-  with ``event_checks.EventTracker`` after every step. Its rules, exact at
+- Event consistency of whole workloads: the random conversations of the
+  lockstep (``tests/support/event_lockstep.py``: oracle and gpukv) and the
+  worked scenarios of ``tests/caches/test_worked_scenarios.py``, rerun with
+  events on, with ``event_checks.EventTracker`` after every step. Its rules, exact at
   every point between two manager calls: every removed (hash, group) was
   stored and not removed since; every announced pair is an attached block
   whose page in that life cycle covers the whole block, with the stored
@@ -48,7 +48,7 @@ from gpukv.event_types import (
 from gpukv.core.hashing import sequence_to_blockchain_keys
 
 from tests.support import scenario_rigs
-from tests import test_kvcache_scenarios as scenarios
+from tests.caches import test_worked_scenarios as scenarios
 from tests.support.backends import make_manager
 from tests.support.engine import attached_blocks
 from tests.support.event_checks import EventTracker, check_event_consistency
@@ -499,7 +499,7 @@ def test_conversation_events_with_a_host_tier_are_consistent_long(config, seed):
 
 
 def _scenario_cases():
-    """Every test of ``test_kvcache_scenarios.py`` on ``cpu`` (the ``cpu`` side of
+    """Every test of ``tests/caches/test_worked_scenarios.py`` on ``cpu`` (the ``cpu`` side of
     the scenarios played on every side), with its parametrizations expanded:
     ``(id, function, kwargs)``."""
     cases = []

@@ -3,7 +3,7 @@ eviction order, its status and commit-state errors, and seeded random
 multi-turn conversations with rewinds. Every test ends with ``check_sanity``.
 
 The worked scenarios of docs/semantics.md §6 run on the oracle and on every backend
-from one copy (``test_kvcache_scenarios.py``).
+from one copy (``tests/caches/test_worked_scenarios.py``).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def test_status_and_commit_state_errors():
 # ---------------------------------------------------------------------------
 
 # (name, T, life cycles, commit_min_snapshot, enable_partial_reuse, backoff): the
-# configurations the lockstep runs of test_kvcache_differential.py use, oracle side.
+# configurations every lockstep run plays (tests/support/lockstep.py), oracle side.
 RANDOM_CONFIGS = [(name, T, lcs, cms, partial, backoff) for name, T, _, lcs, cms, partial, backoff in lockstep.CONFIGS]
 VOCAB = lockstep.VOCAB
 SCOPES = lockstep.ORACLE_SCOPES

@@ -25,7 +25,7 @@ from gpukv.sim import report
 from gpukv.sim import simulate as sim
 from gpukv.sim import workload as workloads
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--conversations", "4", "--duration", "2", "--backend", "cpu", "--no-progress", "--tokens-per-block", "32"]
 # Four requests, some longer than a pool of 8 pages of 32 tokens: the simulator rejects those.
 TOO_SMALL_POOL = ["--conversations", "4", "--duration", "1", "--seed", "2", "--pages", "8", "--model", "attention",

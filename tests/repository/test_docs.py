@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/repository/ -> the checkout
 RULEBOOK = ROOT / "docs/semantics.md"
 MD = ".md"  # test data spells file names with it, so that this file does not cite them
 SEC = "§"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "gpukv"
+PACKAGE = Path(__file__).resolve().parents[2] / "gpukv"
 
 
 def gpukv_imports(path: Path) -> set[str]:

@@ -28,7 +28,7 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM infers no device on a CPU-only machine
 try:
-    # The distribution, not `import vllm`: tests/vllm/ would import as a namespace package.
+    # The installed distribution, before anything imports vllm: missing, it is a skip (or an error).
     importlib.metadata.version("vllm")
 except importlib.metadata.PackageNotFoundError:  # pragma: no cover - depends on the environment
     if os.environ.get("GPUKV_REQUIRE_VLLM") == "1":

@@ -7,7 +7,7 @@ given. By default a committed full block that the tree holds already
 switches the cache to the tree's page and frees its own, which such an engine
 would go on reading after another request took it. Under ``stable_pages``
 the duplicate block keeps the cache's own page. The randomised lockstep runs
-against the oracle are in ``test_kvcache_differential.py``.
+against the oracle are in ``test_conversations_vs_oracle.py``.
 """
 
 from __future__ import annotations

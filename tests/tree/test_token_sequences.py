@@ -351,7 +351,7 @@ def test_a_large_batch_recalls_memoized_sequences():
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     p = subprocess.run([sys.executable, "-c", _RECALL_IN_A_LARGE_BATCH], cwd=root, env=env,
