@@ -1,29 +1,14 @@
 """Differential tests of the sequence layer: random multi-turn conversations with
-rewinds, replayed in lockstep on the plain-Python model ``KVOracle``
-(``tests/support/oracle_kv.py``, docs/semantics.md to the letter) and on gpukv (``cpu``).
+rewinds (``tests/support/conversations.py``), replayed in lockstep on the
+plain-Python model ``KVOracle`` (``tests/support/oracle_kv.py``, docs/semantics.md
+to the letter) and on gpukv (``cpu``): ``tests/support/lockstep.py`` lists what
+the two must agree on after every step.
 
-A workload re-enters earlier conversations at random endpoints (often mid-block),
-runs chunked prefills and generation steps with speculative tokens that get partly
-rejected (capacity rewinds), suspends and resumes, ends turns with a stop, an end
-commit or a planned drop, leaves caches open for a while, and clears the tree.
-Several turns run interleaved. The default runs give both sides pools big
-enough that nothing is evicted; the pressure runs give them a few dozen pages
-per life cycle, so allocations evict least recently released pages all the
-time, and the two eviction controllers must pick the same victims (default
-priority, a single cache level: plain LRU).
-
-After every step the two must agree on:
-- ``probe_reuse`` of a few queries (conversation prefixes, cut mid-block, and
-  continuations), and the batch diagnostics of the same queries;
-- ``introspect.reuse_match_pages`` of those queries for every life cycle, with and
-  without partial matching: the reused length and, per matched block, whether a
-  page is there and its coverage (page ids are not compared);
-- every attached tree block with its per-life-cycle coverage;
-- every open cache's ``num_committed_tokens``, ``history_length``, ``capacity``,
-  status, which blocks hold a page per life cycle, whether it has a live SSM page,
-  and ``committed_page_is_linked`` per block;
-and both sanity checkers pass, and the test engine (``tests/support/engine.py``) verifies
-the data of every page in the tree and the reused KV of every open cache.
+The default runs give both sides pools big enough that nothing is evicted;
+the pressure runs give them a few dozen pages per life cycle, so allocations
+evict least recently released pages all the time, and the two eviction
+controllers must pick the same victims (default priority, a single cache
+level: plain LRU).
 
 The default runs take about 30 s in all; ``-m slow`` runs ten more seeds of
 longer workloads per configuration (about 20 min). A short hypothesis-driven
@@ -111,6 +96,6 @@ def test_without_stable_pages_a_duplicate_block_moves_onto_the_tree_page():
     """The check above can fail: by default a duplicate full block rebases
     onto the tree's page, which the page ledger reports as a move."""
     lock = Lockstep(random.Random(3), CONFIGS[0], POOL)
-    lock.stable_pages = True  # observe as if stable, while the manager rebases
+    lock.stable_pages = lock.twins = True  # observe (and send twin requests) as if stable, while the manager rebases
     with pytest.raises(AssertionError, match="was reported on page"):
         lock.run_steps(300)

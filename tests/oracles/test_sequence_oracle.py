@@ -1,6 +1,8 @@
 """Tests of the sequence-layer oracle (tests/support/oracle_kv.py) on its own: its
 eviction order, its status and commit-state errors, and seeded random
-multi-turn conversations with rewinds. Every test ends with ``check_sanity``.
+multi-turn conversations with rewinds (the driver every lockstep run uses,
+tests/support/conversations.py, here on the oracle alone). Every test ends
+with ``check_sanity``.
 
 The worked scenarios of docs/semantics.md §6 run on the oracle and on every backend
 from one copy (``tests/caches/test_worked_scenarios.py``).
@@ -9,13 +11,13 @@ from one copy (``tests/caches/test_worked_scenarios.py``).
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 
 from tests.support import lockstep
-from tests.support.oracle import FULL, SSM, LifeCycle
-from tests.support.oracle_kv import CommitState, KVOracle, LogicError, Status, run_turn, verify_reuse, write_tokens
+from tests.support.conversations import Conversations, Turn
+from tests.support.oracle import FULL, LifeCycle
+from tests.support.oracle_kv import KVOracle, LogicError, Status, run_turn, verify_reuse, write_tokens
 
 F = LifeCycle(FULL)
 
@@ -23,21 +25,6 @@ F = LifeCycle(FULL)
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-
-
-def reuse(o: KVOracle, tokens, scope=None, check: bool = True) -> int:
-    """``probe_reuse`` and ``create_kv_cache`` agree; with ``check`` the cache is
-    resumed and its reused KV verified; then closed."""
-    n = o.probe_reuse(tokens, scope)
-    kv = o.create_kv_cache(input_tokens=tokens, scope=scope)
-    assert kv.num_committed_tokens == n
-    if check:
-        verify_reuse(kv)
-        assert kv.resume()
-        verify_reuse(kv)
-    kv.close()
-    o.check_sanity()
-    return n
 
 
 def fresh(o: KVOracle, scope=None):
@@ -112,179 +99,85 @@ def test_status_and_commit_state_errors():
 # (name, T, life cycles, commit_min_snapshot, enable_partial_reuse, backoff): the
 # configurations every lockstep run plays (tests/support/lockstep.py), oracle side.
 RANDOM_CONFIGS = [(name, T, lcs, cms, partial, backoff) for name, T, _, lcs, cms, partial, backoff in lockstep.CONFIGS]
-VOCAB = lockstep.VOCAB
-SCOPES = lockstep.ORACLE_SCOPES
+SCOPES = lockstep.ORACLE_SCOPES  # the lockstep's scopes, as the oracle takes them
 
 
-class Conversations:
-    """A random multi-turn workload: each turn re-enters an earlier conversation at
-    a random endpoint (often mid-block: a rewind) or starts a new one, runs a chunked
-    prefill and a few generation steps with speculative tokens that get partly
-    rejected (capacity rewinds), and ends with a stop, an end commit, a planned drop,
-    or by being left open for a while. Several turns run interleaved."""
+class OracleAlone(Conversations):
+    """The random conversations of ``tests/support/conversations.py`` on the
+    oracle alone, with 12, 24 or 64 pages per life cycle (drawn from the seed),
+    so that it evicts and refuses too. After every step its sanity checker
+    passes and every open cache's reused KV is its own (``verify_reuse``)."""
 
     def __init__(self, seed: int, config):
         name, T, lcs, cms, partial, backoff = config
-        self.rng = random.Random(seed)
-        self.T = T
-        self.has_ssm = any(lc.kind == SSM for lc in lcs)
-        self.cms = cms
-        pages = self.rng.choice([12, 24, 64])
-        self.o = KVOracle(T, lcs, pages, enable_partial_reuse=partial, commit_min_snapshot=cms, reuse_match_backoff=backoff)
-        self.history: list[tuple] = []  # (scope, committed tokens) of finished turns
-        self.plans: list = []
-        self.jobs: list = []
-        self.stats = Counter()
+        rng = random.Random(seed)
+        pages = rng.choice([12, 24, 64])
+        oracle = KVOracle(T, lcs, pages, enable_partial_reuse=partial, commit_min_snapshot=cms, reuse_match_backoff=backoff)
+        super().__init__(rng, oracle, T, cms, num_scopes=len(SCOPES))
 
-    def tokens(self, n: int) -> list:
-        return [self.rng.randrange(VOCAB) for _ in range(n)]
-
-    def new_prompt(self):
-        rng, T = self.rng, self.T
-        if self.history and rng.random() < 0.8:
-            scope, conv = rng.choice(self.history)
-            if rng.random() < 0.3:
-                cut = len(conv)  # continue the conversation
-            else:
-                cut = rng.randint(0, len(conv))  # re-enter at an earlier endpoint, often mid-block
-            cut = min(cut, 8 * T)
-            prompt = conv[:cut]
-            self.stats["continue" if cut == len(conv) else "rewind"] += 1
-        else:
-            scope, prompt = rng.choice(SCOPES), []
-        return scope, prompt + self.tokens(rng.randint(1, 3 * T))
-
-    def give_up(self, kv):
-        self.stats["oom"] += 1
-        if kv.status is Status.SUSPENDED and not kv.never_resumed and self.rng.random() < 0.5:
-            assert kv.resume()
-        kv.close()
-
-    def turn(self):
-        rng, o, T = self.rng, self.o, self.T
-        scope, prompt = self.new_prompt()
-        lookup = prompt[:-1] if rng.random() < 0.5 else prompt
-        n = o.probe_reuse(lookup, scope)
-        kv = o.create_kv_cache(input_tokens=lookup, scope=scope)
+    def create(self, lookup, scope: int) -> Turn:
+        n = self.o.probe_reuse(lookup, SCOPES[scope])
+        kv = self.o.create_kv_cache(input_tokens=lookup, scope=SCOPES[scope])
         assert kv.num_committed_tokens == n  # probe and create agree (§2.4)
-        m = kv.reuse_match
-        assert n <= m.num_tokens_before_hybrid_pruning <= m.num_tokens_before_pruning <= m.num_lookup_tokens == len(lookup)
-        self.stats["reused_tokens"] += n
-        self.stats["partial_reuse"] += n % T != 0
-        yield
-        while not kv.resume():  # out of pages for the private copies
-            if rng.random() < 0.5:
-                kv.close()
-                self.stats["oom"] += 1
-                return
-            yield
-        pos = n
-        # chunked prefill
-        while pos < len(prompt):
-            end = rng.randint(pos + 1, len(prompt))
-            hist = rng.choice([pos, end]) if self.cms else rng.randint(pos, end)
-            if not kv.resize(end, hist):
-                self.give_up(kv)
-                return
-            yield
-            write_tokens(kv, pos, prompt[pos:end])
-            if rng.random() < 0.2:
-                kv.suspend()
-                yield
-                assert kv.resume()  # a later resume never allocates
-            kv.commit(prompt[pos:end])
-            pos = end
-            yield
-        # generation with speculative tokens (none with SSM: its state cannot rewind)
-        for step in range(rng.randint(0, 2 * T)):
-            spec = 0 if self.has_ssm else rng.randint(0, 2)
-            if not kv.resize(pos + 1 + spec, pos):
-                self.give_up(kv)
-                return
-            new = self.tokens(1 + spec)
-            write_tokens(kv, pos, new)
-            accepted = new[: 1 + rng.randint(0, spec)]
-            is_end = rng.random() < 0.1
-            kv.commit(accepted, is_end=is_end)
-            pos += len(accepted)
-            if kv.capacity > pos and rng.random() < 0.8:
-                assert kv.resize(pos)  # rewind the rejected draft tokens
-            yield
-            if is_end:
-                assert kv.commit_state is CommitState.USER_STOP
-                break
-        self.history.append((scope, kv.committed_tokens))
-        if rng.random() < 0.4:
-            kv.stop_committing()
-            plan = kv.plan_committed_block_drop()
-            self.stats["plans"] += plan is not None
-            if plan is not None:
-                self.plans.append(plan)
-            with pytest.raises(LogicError):
-                kv.commit(self.tokens(1))
-        for _ in range(rng.randint(0, 3)):  # stay open a while (like A0 in D8)
-            if kv.status is Status.ACTIVE and rng.random() < 0.3:
-                kv.suspend()
-            yield
-        kv.close()
-        self.stats["turns"] += 1
+        return Turn(kv, None, scope, lookup[:n])
+
+    def resume(self, t: Turn) -> bool:
+        return t.o.resume()
+
+    def suspend(self, t: Turn):
+        t.o.suspend()
+
+    def resize(self, t: Turn, capacity, history=None) -> bool:
+        return t.o.resize(capacity, history)
+
+    def run(self, t: Turn, tokens_all, start: int, end: int):
+        write_tokens(t.o, start, tokens_all[start:end])
+
+    def commit(self, t: Turn, tokens, is_end=False):
+        t.o.commit(tokens, is_end=is_end)
+
+    def stop(self, t: Turn):
+        t.o.stop_committing()
+
+    def refuse_commit_after_stop(self, t: Turn):
+        with pytest.raises(LogicError, match=r"Cannot commit tokens after stop_committing"):
+            t.o.commit(self.tokens(1))
+
+    def plan(self, t: Turn):
+        return t.o.plan_committed_block_drop()
+
+    def drop(self, plan):
+        plan.drop()
+
+    def refuse_second_drop(self, plan):
+        with pytest.raises(RuntimeError, match="already been dropped"):
+            plan.drop()
+
+    def close(self, t: Turn):
+        t.o.close()
+
+    def clear(self):
+        self.o.clear_reusable_blocks()
+
+    def refuse_clear(self, num_open: int):
+        with pytest.raises(LogicError, match=rf"{num_open} KV cache\(s\) still open"):
+            self.o.clear_reusable_blocks()
 
     def check(self):
         self.o.check_sanity()
         for kv in self.o.open_caches:
             verify_reuse(kv)
 
-    def step(self):
-        rng, o = self.rng, self.o
-        r = rng.random()
-        if r < 0.05 and self.plans:
-            plan = self.plans.pop(rng.randrange(len(self.plans)))
-            plan.drop()
-            self.stats["drops"] += 1
-            if rng.random() < 0.2:
-                with pytest.raises(RuntimeError, match="already been dropped"):
-                    plan.drop()
-        elif r < 0.07:
-            if o.open_caches:
-                with pytest.raises(LogicError, match=f"{len(o.open_caches)} KV cache\\(s\\) still open"):
-                    o.clear_reusable_blocks()
-            else:
-                o.clear_reusable_blocks()
-                assert o.tree.next == {}
-                assert all(o.free_pages(lc) == o.num_pages[lc] for lc in range(o.num_life_cycles))
-                self.stats["clears"] += 1
-        elif r < 0.12 and self.history:
-            scope, conv = rng.choice(self.history)
-            assert reuse(o, conv[: rng.randint(1, len(conv))], scope, check=False) >= 0
-        else:
-            if len(self.jobs) < 3 and (not self.jobs or rng.random() < 0.3):
-                self.jobs.append(self.turn())
-            job = rng.choice(self.jobs)
-            try:
-                next(job)
-            except StopIteration:
-                self.jobs.remove(job)
-        self.check()
-
-    def run(self, steps: int):
-        for _ in range(steps):
-            self.step()
-        while self.jobs:  # finish every turn
-            for job in list(self.jobs):
-                try:
-                    next(job)
-                except StopIteration:
-                    self.jobs.remove(job)
-                self.check()
-        assert not self.o.open_caches
-        self.stats.update(self.o.counters)
-        return self.stats
+    def run_steps(self, steps: int):
+        stats = super().run_steps(steps)
+        stats.update(self.o.counters)
+        return stats
 
 
 @pytest.mark.parametrize("config", RANDOM_CONFIGS, ids=[c[0] for c in RANDOM_CONFIGS])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_multi_turn_conversations(config, seed):
-    stats = Conversations(seed, config).run(800)
+    stats = OracleAlone(seed, config).run_steps(800)
     assert stats["turns"] > 20 and stats["reused_tokens"] > 0
 
 
@@ -292,4 +185,4 @@ def test_random_multi_turn_conversations(config, seed):
 @pytest.mark.parametrize("config", RANDOM_CONFIGS, ids=[c[0] for c in RANDOM_CONFIGS])
 @pytest.mark.parametrize("seed", range(2, 22))
 def test_random_multi_turn_conversations_long(config, seed):
-    Conversations(seed, config).run(1500)
+    OracleAlone(seed, config).run_steps(1500)

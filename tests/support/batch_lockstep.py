@@ -21,7 +21,8 @@ import numpy as np
 import gpukv
 
 from tests.support.engine import Engine
-from tests.support.lockstep import ORACLE_SCOPES, POOL, SCOPES, Lockstep, Turn
+from tests.support.conversations import Turn
+from tests.support.lockstep import ORACLE_SCOPES, POOL, SCOPES, Lockstep
 
 
 class BatchLockstep(Lockstep):

@@ -1,7 +1,8 @@
 """The sequence layer's lockstep: the plain-Python model ``KVOracle``
 (``tests/support/oracle_kv.py``, docs/semantics.md to the letter) and a gpukv
 manager (``cpu``, real page memory played by ``tests/support/engine.py``)
-driven by one random workload, every call on both sides.
+driven by the random conversations of ``tests/support/conversations.py``,
+every call on both sides.
 
 Both sides must give the same outcome for every call (the same value, or
 errors of corresponding types; a refused call changes nothing), and after
@@ -35,6 +36,7 @@ from gpukv import Attention, ReuseScope, Ssm, introspect
 from tests.support import oracle as O
 from tests.support import oracle_kv as OK
 from tests.support.backends import make_manager
+from tests.support.conversations import Conversations, Turn
 from tests.support.engine import Engine, attached_blocks
 
 F = O.LifeCycle(O.FULL)
@@ -69,26 +71,11 @@ CONFIGS = [
     ("S+M-partial", 4, [Attention(window=5), Ssm()], [S(5), M], True, True, 1),
 ]
 CONFIG_IDS = [c[0] for c in CONFIGS]
-VOCAB = 4  # a tiny vocabulary makes shared prefixes and covering siblings frequent
 SCOPES = [None, None, None, ReuseScope(lora_id=1), ReuseScope(salt=9)]
 ORACLE_SCOPES = [None, None, None, (1, None), (None, 9)]
 POOL = 4096  # pages per life cycle on both sides: nothing is ever evicted
 PRESSURE_POOL = 24  # ... small enough that allocations evict all the time
 TIGHT_POOL = 7  # ... and so small that allocations are refused too
-
-
-class Turn:
-    """One cache, created on both sides, and the tokens it has committed."""
-
-    def __init__(self, okv, gkv, scope: int, tokens):
-        self.o = okv
-        self.g = gkv
-        self.scope = scope
-        self.tokens = list(tokens)  # committed tokens
-        self.stopped = False
-
-    def __repr__(self) -> str:
-        return f"Turn(scope={self.scope}, committed={len(self.tokens)}, {self.g!r})"
 
 
 def same_outcome(f_oracle, f_gpukv, what: str):
@@ -116,20 +103,21 @@ def same_outcome(f_oracle, f_gpukv, what: str):
     raise AssertionError(f"{what}: the oracle {said[0]}, gpukv {said[1]}")
 
 
-class Lockstep:
-    """The oracle and gpukv driven by one random workload (see the module docstring)."""
+class Lockstep(Conversations):
+    """The oracle and gpukv driven by one random conversation workload
+    (``tests/support/conversations.py``), every call on both sides (see the
+    module docstring)."""
 
     def __init__(self, rng, config, pool: int = POOL, stable_pages: bool = False):
         name, T, layers, lcs, cms, partial, backoff = config
-        self.rng = rng
-        self.T = T
-        self.L = len(lcs)
-        self.cms = cms
-        self.has_ssm = any(lc.kind == O.SSM for lc in lcs)
-        self.o = OK.KVOracle(
+        oracle = OK.KVOracle(
             T, lcs, pool, enable_partial_reuse=partial, commit_min_snapshot=cms, reuse_match_backoff=backoff,
             evict=pool != POOL, stable_pages=stable_pages,
         )
+        # Under stable_pages, twin requests commit the same full blocks side by
+        # side: the later one finds each in the tree already (the rebase).
+        super().__init__(rng, oracle, T, cms, num_scopes=len(SCOPES), twins=stable_pages)
+        self.L = len(lcs)
         self.mgr = make_manager(
             "cpu",
             tokens_per_block=T,
@@ -145,37 +133,7 @@ class Lockstep:
         self.stable_pages = stable_pages
         self.windowed = [lc.kind == O.SWA for lc in lcs]
         self.reported: dict = {}  # Turn -> {life cycle: page indices last reported while ACTIVE}
-        self.prompts: list = []  # (scope, prompt) of every turn, in order
         self.engine = Engine(self.mgr)
-        self.open: list[Turn] = []
-        self.history: list[tuple] = []  # (scope index, committed tokens) of finished turns
-        self.plans: list[tuple] = []  # (oracle plan, gpukv plan)
-        self.jobs: list = []
-        self.stats: dict = {}
-
-    def count(self, what: str, n: int = 1):
-        self.stats[what] = self.stats.get(what, 0) + n
-
-    # -- random data ----------------------------------------------------------------------
-    def tokens(self, n: int) -> list:
-        return [self.rng.randrange(VOCAB) for _ in range(n)]
-
-    def new_prompt(self):
-        rng, T = self.rng, self.T
-        if self.stable_pages and self.prompts and rng.random() < 0.3:
-            # A twin of a recent request (n > 1 sampling, a retried request):
-            # run side by side, both commit the same full blocks, so the later
-            # one finds each of them in the tree already (the rebase).
-            self.count("twin")
-            return rng.choice(self.prompts[-4:])
-        if self.history and rng.random() < 0.8:
-            scope, conv = rng.choice(self.history)
-            cut = len(conv) if rng.random() < 0.3 else rng.randint(0, len(conv))  # often a mid-block rewind
-            prompt = conv[: min(cut, 8 * T)]
-            self.count("continue" if cut == len(conv) else "rewind")
-        else:
-            scope, prompt = rng.randrange(len(SCOPES)), []
-        return scope, prompt + self.tokens(rng.randint(1, 3 * T))
 
     # -- one call on both sides ---------------------------------------------------------------
     def probe(self, tokens, scope: int) -> int:
@@ -190,11 +148,7 @@ class Lockstep:
         gkv = self.mgr.create_kv_cache(input_tokens=lookup, scope=SCOPES[scope])
         assert okv.num_committed_tokens == n, "the oracle's probe and create disagree"
         assert gkv.num_committed_tokens == n, f"gpukv's create ({gkv.num_committed_tokens}) and probe ({n}) disagree"
-        turn = Turn(okv, gkv, scope, lookup[:n])
-        self.open.append(turn)
-        self.count("reused_tokens", n)
-        self.count("partial_reuse", n % self.T != 0)
-        return turn
+        return Turn(okv, gkv, scope, lookup[:n])
 
     def state(self, t: Turn):
         """Everything a refused call must leave as it was: the tables and the cache."""
@@ -251,165 +205,57 @@ class Lockstep:
         assert ok_o == ok_g, f"resize({capacity}, {history}): oracle {ok_o}, gpukv {ok_g}"
         self.observe(t)
         if not ok_o:
-            self.count("resize_failed")
             self.assert_unchanged(before, t, f"resize({capacity}, {history})")
         return ok_o
 
     def run(self, t: Turn, tokens_all, start: int, end: int):
-        """The model runs positions [start, end) on both sides."""
         OK.write_tokens(t.o, start, tokens_all[start:end])
         self.engine.run(t.g, tokens_all, start, end)
 
     def commit(self, t: Turn, tokens, is_end=False):
         same_outcome(lambda: t.o.commit(tokens, is_end=is_end), lambda: t.g.commit(tokens, is_end=is_end), "commit")
         self.observe(t)
-        t.tokens += tokens
-        if is_end:
-            t.stopped = True
 
     def stop(self, t: Turn):
         same_outcome(t.o.stop_committing, t.g.stop_committing, "stop_committing")
-        t.stopped = True
 
-    def close(self, t: Turn):
-        same_outcome(t.o.close, t.g.close, "close")
-        self.open.remove(t)
-        self.reported.pop(t, None)
+    def refuse_commit_after_stop(self, t: Turn):
+        with pytest.raises(gpukv.LogicError, match=r"Cannot commit tokens after stop_committing\(\)"):
+            t.g.commit(self.tokens(1))
+        with pytest.raises(OK.LogicError):
+            t.o.commit(self.tokens(1))
 
     def plan(self, t: Turn):
         p_o, p_g = same_outcome(t.o.plan_committed_block_drop, t.g.plan_committed_block_drop, "plan_committed_block_drop")
         assert (p_o is None) == (p_g is None), f"plan_committed_block_drop: oracle {p_o}, gpukv {p_g}"
-        if p_o is not None:
-            self.plans.append((p_o, p_g))
-            self.count("plans")
+        return None if p_o is None else (p_o, p_g)
 
-    # -- a turn, as a generator: each yield is a point where other turns interleave ----------------
-    def give_up(self, t: Turn):
-        if t.g.status.name == "SUSPENDED" and self.rng.random() < 0.5 and not t.o.never_resumed:
-            self.resume(t)
-        self.close(t)
+    def drop(self, plan):
+        p_o, p_g = plan
+        p_o.drop()
+        p_g.drop()
 
-    def turn(self):
-        rng, T = self.rng, self.T
-        scope, prompt = self.new_prompt()
-        self.prompts.append((scope, prompt))
-        lookup = prompt[:-1] if rng.random() < 0.5 else prompt
-        t = self.create(lookup, scope)
-        yield
-        if not self.resume(t):
-            self.give_up(t)
-            return
-        yield
-        pos = len(t.tokens)
-        while pos < len(prompt):  # chunked prefill
-            end = rng.randint(pos + 1, len(prompt))
-            hist = rng.choice([pos, end]) if self.cms else rng.randint(pos, end)
-            if not self.resize(t, end, hist):
-                self.give_up(t)
-                return
-            yield
-            self.run(t, prompt, pos, end)
-            if rng.random() < 0.2:
-                self.suspend(t)
-                yield
-                assert self.resume(t), "a later resume never allocates"
-            self.commit(t, prompt[pos:end])
-            pos = end
-            yield
-        for _ in range(rng.randint(0, 2 * T)):  # generation, with speculative tokens (none with SSM)
-            spec = 0 if self.has_ssm else rng.randint(0, 2)
-            if not self.resize(t, pos + 1 + spec, pos):
-                self.give_up(t)
-                return
-            new = self.tokens(1 + spec)
-            self.run(t, t.tokens + new, pos, pos + 1 + spec)
-            accepted = new[: 1 + rng.randint(0, spec)]
-            is_end = rng.random() < 0.1
-            self.commit(t, accepted, is_end=is_end)
-            pos += len(accepted)
-            if t.g.capacity > pos and rng.random() < 0.8:
-                assert self.resize(t, pos), "a rewind never allocates"
-                self.count("rewinds")
-            yield
-            if is_end:
-                break
-        self.history.append((scope, list(t.tokens)))
-        if rng.random() < 0.4:
-            self.stop(t)
-            self.plan(t)
-            with pytest.raises(gpukv.LogicError, match=r"Cannot commit tokens after stop_committing\(\)"):
-                t.g.commit(self.tokens(1))
-            with pytest.raises(OK.LogicError):
-                t.o.commit(self.tokens(1))
-        for _ in range(rng.randint(0, 3)):  # stay open a while (like A0 in D8)
-            if t.g.status.name == "ACTIVE" and rng.random() < 0.3:
-                self.suspend(t)
-            yield
-        self.close(t)
-        self.count("turns")
-
-    # -- steps -------------------------------------------------------------------------------------
-    def step(self):
-        rng = self.rng
-        r = rng.random()
-        if r < 0.05 and self.plans:
-            p_o, p_g = self.plans.pop(rng.randrange(len(self.plans)))
-            p_o.drop()
+    def refuse_second_drop(self, plan):
+        p_o, p_g = plan
+        with pytest.raises(RuntimeError, match="already been dropped"):
             p_g.drop()
-            self.count("drops")
-            if rng.random() < 0.3:
-                with pytest.raises(RuntimeError, match="already been dropped"):
-                    p_g.drop()
-                with pytest.raises(RuntimeError, match="already been dropped"):
-                    p_o.drop()
-        elif r < 0.07:
-            if self.open and rng.random() < 0.15:
-                self.drain()  # finish every turn, so that the clear below happens
-            n = len(self.open)
-            if n:
-                with pytest.raises(gpukv.LogicError, match=rf"clear_reusable_blocks\(\).*{n} KV cache\(s\) still open"):
-                    self.mgr.clear_reusable_blocks()
-                with pytest.raises(OK.LogicError):
-                    self.o.clear_reusable_blocks()
-            else:
-                self.mgr.clear_reusable_blocks()
-                self.o.clear_reusable_blocks()
-                assert attached_blocks(self.mgr) == {}
-                self.count("clears")
-        elif r < 0.12 and self.history:
-            scope, conv = rng.choice(self.history)
-            t = self.create(conv[: rng.randint(1, len(conv))], scope)  # a reuse probe that holds pages a moment
-            self.check()
-            self.close(t)
-        else:
-            if len(self.jobs) < 3 and (not self.jobs or rng.random() < 0.3):
-                self.jobs.append(self.turn())
-            job = rng.choice(self.jobs)
-            try:
-                next(job)
-            except StopIteration:
-                self.jobs.remove(job)
-        self.check()
+        with pytest.raises(RuntimeError, match="already been dropped"):
+            p_o.drop()
 
-    def drain(self):
-        """Run every turn in progress to its end."""
-        while self.jobs:
-            for job in list(self.jobs):
-                try:
-                    next(job)
-                except StopIteration:
-                    self.jobs.remove(job)
-                self.check()
-        assert not self.open and not self.o.open_caches
+    def close(self, t: Turn):
+        same_outcome(t.o.close, t.g.close, "close")
+        self.reported.pop(t, None)
 
-    def run_steps(self, steps: int):
-        for _ in range(steps):
-            self.step()
-        self.drain()
-        self.mgr.clear_reusable_blocks()  # no cache is open: allowed
+    def clear(self):
+        self.mgr.clear_reusable_blocks()
         self.o.clear_reusable_blocks()
-        self.check()
-        return self.stats
+        assert attached_blocks(self.mgr) == {}
+
+    def refuse_clear(self, num_open: int):
+        with pytest.raises(gpukv.LogicError, match=rf"clear_reusable_blocks\(\).*{num_open} KV cache\(s\) still open"):
+            self.mgr.clear_reusable_blocks()
+        with pytest.raises(OK.LogicError):
+            self.o.clear_reusable_blocks()
 
     # -- comparison -----------------------------------------------------------------------------
     def compare_trees(self):
