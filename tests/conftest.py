@@ -1,34 +1,12 @@
-"""Test-session setup: which backends the suite runs on.
+"""Test-session setup: the ``backend`` fixture, every backend the suite runs
+on (``tests/support/backends.py``, imported first: it chooses the CUDA
+simulator before numba is imported)."""
 
-Without a GPU the CUDA kernels run in Numba's simulator, which must be chosen
-before numba is imported; so this file sets ``NUMBA_ENABLE_CUDASIM=1`` first,
-unless ``GPUKV_TEST_CUDA=1`` asks for the real GPU (then ``cuda`` replaces
-``cudasim`` in the backend list).
-"""
+from tests.support.backends import backend_params
 
-import os
-
-if os.environ.get("GPUKV_TEST_CUDA") != "1":
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-
-import pytest  # noqa: E402
-
-import gpukv  # noqa: E402
-
-GPU_BACKEND = "cuda" if os.environ.get("GPUKV_TEST_CUDA") == "1" else "cudasim"
-BACKENDS = ["cpu", GPU_BACKEND]
-
-
-def backend_params():
-    """``cpu`` plus the CUDA kernels (simulated, or real with GPUKV_TEST_CUDA=1)."""
-    return [pytest.param("cpu"), pytest.param(GPU_BACKEND, marks=pytest.mark.cudasim)]
+import pytest  # noqa: I001 - after the backend choice
 
 
 @pytest.fixture(params=backend_params())
 def backend(request):
     return request.param
-
-
-def make_manager(backend="cpu", **config):
-    config.setdefault("backend", backend)
-    return gpukv.KVCacheManager(gpukv.CacheConfig(**config))

@@ -24,7 +24,7 @@ import numpy as np
 from gpukv.sim.cluster import Cluster, ClusterPublishers
 from gpukv.sim.simulate import SimOptions, warm_up
 from gpukv.sim.workload import default_workload
-from tests.dynamo_indexer import DynamoIndexer
+from tests.support.dynamo_indexer import DynamoIndexer
 
 
 class MeasuredCluster(Cluster):

@@ -1,0 +1,234 @@
+"""The change log's budget (``table_sizes.CHANGE_LOG_BUDGET``): a call whose worst
+case needs more change-log room than the budget runs as consecutive launches
+that each fit, and gives exactly what one launch over an unbounded log gives;
+removals take no log room at all (retired rows, ``layout.RETIRED_*``), so a
+page death that takes a whole subtree fits any budget.
+
+With the budget at its least (``tiny_log``: a thousand log rows, 64 token
+rows) nearly every batched call of these workloads is split and many single
+calls need a launch beyond the budget; the lockstep tests against the oracle
+and against per-cache twins run again under it."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import gpukv
+from gpukv import introspect, table_sizes
+from gpukv.core.layout import CNT_BLOCK_FREE_TOP, EV_REMOVED, EV_ROOT_REMOVED, LOG_KIND
+
+from tests.support.backends import make_manager
+from tests.support.batch_lockstep import BatchLockstep
+from tests.support.engine import Engine
+from tests.support.event_lockstep import SUBSET_CONFIGS, events_under_memory_pressure, events_with_a_host_tier
+from tests.support.interrupts import Interrupter
+from tests.support.lockstep import CONFIG_IDS, CONFIGS, PRESSURE_POOL, run_workload
+from tests.support.subtree_victim import SHARED_VICTIM, requests_sharing_a_victim
+from tests.support.tree_lockstep import Pair, run_ops, scenario
+
+T = 4
+
+
+@pytest.fixture
+def tiny_log(monkeypatch):
+    """The change log and the copy list at their least."""
+    monkeypatch.setattr(table_sizes, "CHANGE_LOG_BUDGET", 0)
+    monkeypatch.setattr(table_sizes, "COPY_LIST_BUDGET", 0)
+    monkeypatch.setattr(table_sizes, "COPY_BUDGET_MIN_ROWS", 32)  # below the small pools' bound too
+    return table_sizes.log_budget
+
+
+def test_the_budget_is_the_same_whatever_max_blocks_is():
+    small = gpukv.index_memory(gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**10))
+    large = gpukv.index_memory(gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**17, pages_per_life_cycle=2**17))
+    for field in ("log", "log_tokens"):
+        assert small.tables[field] == large.tables[field]
+    assert large.tables["log"] + large.tables["log_tokens"] <= table_sizes.CHANGE_LOG_BUDGET
+
+
+def test_tiny_budget_sizes(tiny_log):
+    assert tiny_log(T) == (table_sizes.LOG_BUDGET_MIN_ROWS, table_sizes.LOG_TOKENS_MIN_ROWS)
+    mgr = make_manager("cpu", tokens_per_block=T, max_blocks=64, pages_per_life_cycle=320)
+    assert mgr._tables.log.shape[0] == table_sizes.LOG_BUDGET_MIN_ROWS
+    assert mgr._tables.copies.shape[0] == table_sizes.COPY_BUDGET_MIN_ROWS < 3 * 320
+    memory = gpukv.index_memory(mgr.config).tables
+    assert memory["log"] == mgr._tables.log.nbytes and memory["copies"] == mgr._tables.copies.nbytes
+
+
+class Counted(BatchLockstep):
+    """The batched lockstep, counting the launches of the batched manager and
+    comparing its KV cache events with the per-cache twin's after every step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        events = dataclasses.replace(self.mgr.config, max_kv_event_entries=1 << 20)
+        self.mgr = gpukv.KVCacheManager(events)
+        self.engine = Engine(self.mgr)
+        self.twin = gpukv.KVCacheManager(dataclasses.replace(events, backend="cpu"))
+        self.calls = 0
+
+    def _events(self, mgr):
+        return [(type(e.data).__name__, repr(e.data)) for e in mgr.get_latest_events()]
+
+    def compare_all(self):
+        super().compare_all()
+        assert self._events(self.mgr) == self._events(self.twin), "events differ from the per-cache twin's"
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[4], CONFIGS[8]], ids=[CONFIG_IDS[i] for i in (0, 4, 8)])
+def test_split_batches_equal_the_per_cache_calls(tiny_log, config):
+    """Batched calls over a log a thousand rows long: the same pages, scalars,
+    evictions and events as the per-cache twin, and the oracle's tree."""
+    lock = Counted(random.Random(3), config, PRESSURE_POOL)
+    before = lock.mgr._launcher.launches
+    stats = lock.run_steps(30)
+    assert stats.get("commits", 0) > 20, stats
+    assert lock.mgr._tables.log.shape[0] <= 4 * tiny_log(lock.mgr.config.tokens_per_block)[0]
+    assert lock.mgr._launcher.launches > before
+
+
+def test_a_batch_beyond_the_budget_is_split(tiny_log, backend):
+    """Forty caches resized by twenty blocks each: more than a thousand log
+    rows, so several launches; each cache gets what a resize alone gives."""
+    mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=2000)
+    twin = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=2000)
+    kvs, twins = mgr.create_kv_caches([[]] * 40), twin.create_kv_caches([[]] * 40)
+    assert mgr.resume_batch(kvs).all() and all(kv.resume() for kv in twins)
+    launches = mgr._launcher.launches
+    assert mgr.resize_batch(kvs, [20 * T] * 40).all()
+    assert mgr._launcher.launches - launches > 1
+    assert all(kv.resize(20 * T) for kv in twins)
+    prompts = [[1000 * i + j for j in range(20 * T)] for i in range(40)]
+    mgr.commit_batch(kvs, prompts)
+    for kv, p in zip(twins, prompts):
+        kv.commit(p)
+    for a, b in zip(kvs, twins):
+        assert list(a.page_indices(0)) == list(b.page_indices(0))
+        assert a.num_committed_tokens == b.num_committed_tokens == 20 * T
+    assert mgr._tables.log.shape[0] <= table_sizes.LOG_BUDGET_MIN_ROWS  # never grew past the budget
+    mgr.close_batch(kvs)
+    introspect.check_sanity(mgr)
+
+
+def test_one_cache_beyond_the_budget_gets_a_launch_of_its_own(tiny_log):
+    """A commit over more blocks than the budget covers: one launch with a
+    log sized for it, given back by the next launch that needs less."""
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=2000, max_kv_event_entries=10_000)
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(300 * T)
+    kv.commit(list(range(1, 300 * T + 1)))
+    stored = sum(len(e.data.blocks) for e in mgr.get_latest_events() if type(e.data).__name__ == "KVCacheStoredData")
+    assert stored == 300
+    kv.close()
+    small = mgr.create_kv_cache()
+    assert small.resume() and small.resize(T)
+    assert mgr._tables.log.shape[0] == table_sizes.LOG_BUDGET_MIN_ROWS
+    assert mgr._tables.log_tokens.shape[0] == table_sizes.LOG_TOKENS_MIN_ROWS
+    assert mgr.probe_reuse(list(range(1, 300 * T + 1))) == 300 * T
+    introspect.check_sanity(mgr)
+
+
+def test_a_subtree_removal_takes_no_log_room(tiny_log):
+    """A thousand requests share a first block that is the first victim
+    (priority 0): its death removes every request's blocks in the launch of
+    one resize, far more records than the log has rows; all are reported,
+    each before the records logged after it, and the log does not grow."""
+    n = 1000  # cpu only: the simulator takes a minute (tests/input_validation/test_hostile_input.py runs a small one on it)
+    mgr = requests_sharing_a_victim("cpu", n)
+    shared = SHARED_VICTIM
+    rows = mgr._tables.log.shape[0]
+    assert rows < n
+    log = introspect.record_log(mgr)
+    other = mgr.create_kv_cache()
+    assert other.resume() and other.resize(16 * T)  # 15 free pages: one eviction
+    kinds = [int(r[LOG_KIND]) for r in log]
+    assert kinds.count(EV_REMOVED) == n + 1 and kinds.count(EV_ROOT_REMOVED) == 1
+    assert kinds.index(EV_ROOT_REMOVED) == len(kinds) - 1  # the root goes with its last child
+    assert mgr.probe_reuse(shared + [10, 5, 6, 7]) == 0
+    removed = [h for e in mgr.get_latest_events() if isinstance(e.data, gpukv.KVCacheRemovedData)
+               for h in e.data.block_hashes]
+    assert len(removed) == n + 1
+    assert mgr._tables.log.shape[0] == rows
+    other.close()
+    introspect.check_sanity(mgr)
+    assert mgr._tables.counters_host()[CNT_BLOCK_FREE_TOP] == mgr._tables.num_rows  # every row back on the stack
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_conversations_agree_with_the_oracle_on_a_tiny_log(tiny_log, config):
+    stats = run_workload(0, config, 150)
+    assert stats.get("turns", 0) >= 5, stats
+
+
+@pytest.mark.parametrize("config", SUBSET_CONFIGS, ids=[c[0] for c in SUBSET_CONFIGS])
+def test_conversation_events_are_consistent_on_a_tiny_log(tiny_log, config):
+    events_under_memory_pressure(config)
+
+
+@pytest.mark.parametrize("config", SUBSET_CONFIGS, ids=[c[0] for c in SUBSET_CONFIGS])
+def test_migrations_to_a_host_tier_fit_a_tiny_copy_list(tiny_log, config):
+    """Evictions to the host tier and back: the page copies of a launch,
+    within a copy list of 32 rows (or a launch's own when one cache needs
+    more)."""
+    events_with_a_host_tier(config)
+
+
+def test_the_copy_list_is_budgeted_only_beyond_the_pools_bound():
+    small = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64)._tables
+    assert small.copies.shape[0] == 3 * 64 + table_sizes.COPY_SLACK and small.copy_room is None
+    big = gpukv.index_memory(gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**17, pages_per_life_cycle=2**17))
+    assert big.tables["copies"] <= table_sizes.COPY_LIST_BUDGET
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(scenario())
+def test_tree_operations_agree_with_the_oracle_on_a_tiny_log(tiny_log, case):
+    model, T_, ops = case
+    run_ops(Pair("cpu", model, T_), ops)
+
+
+def _clear_workload(mgr):
+    """Turns sharing prefixes, then a clear: a launch that retires every row."""
+    for n, base in ((10, 0), (14, 0), (9, 50), (21, 100)):
+        kv = mgr.create_kv_cache(input_tokens=list(range(base, base + n)))
+        assert kv.resume() and kv.resize(n, n)
+        kv.commit(list(range(base + kv.num_committed_tokens, base + n)))
+        kv.close()
+
+
+@pytest.mark.parametrize("where", ["settle", "return_rows", "with_removals", "read_retired", "digests_of"])
+def test_an_interrupted_drain_of_retired_rows_is_finished_once(where):
+    """A KeyboardInterrupt at every line of the aftermath's steps that report
+    and free the retired rows: the next call finishes it, and the records,
+    the events and the free stack are those of an uninterrupted twin."""
+    def manager():
+        mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64, max_kv_event_entries=1000)
+        return mgr, introspect.record_log(mgr)
+
+    twin, twin_log = manager()
+    _clear_workload(twin)
+    twin.clear_reusable_blocks()
+    want = [(e.event_id, e.data, e.layer_group_id) for e in twin.get_latest_events()]
+    want_log = [r.tolist() for r in twin_log]
+    assert sum(r[LOG_KIND] == EV_REMOVED for r in want_log) > 5
+    fired = 0
+    for k in range(1, 60):
+        mgr, log = manager()
+        _clear_workload(mgr)
+        interrupt = Interrupter(only=where)
+        interrupt.arm(k)
+        interrupt(mgr.clear_reusable_blocks)
+        fired += interrupt.fired
+        got = [(e.event_id, e.data, e.layer_group_id) for e in mgr.get_latest_events()]  # settles first
+        assert got == want, f"line {k} of {where}"
+        assert [r.tolist() for r in log] == want_log, f"line {k} of {where}"
+        introspect.check_sanity(mgr)
+        t = mgr._tables
+        assert t.counters_host()[CNT_BLOCK_FREE_TOP] == t.num_rows  # every row back on the stack, once
+        assert sorted(t.block_free.tolist()) == list(range(t.num_rows))
+    assert fired >= (2 if where == "digests_of" else 4)  # digests_of is two lines
