@@ -14,17 +14,16 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from .arena import TokenArena
-from .kernels.match import (
+from .kernels.match import MatchBatch, build_match_kernels
+from .core.layout import (
+    CNT_DETACHES,
     RES_BEFORE_HYBRID_PRUNING,
     RES_BEFORE_PRUNING,
     RES_NUM_BLOCKS,
     RES_NUM_LOOKUP_TOKENS,
     RES_NUM_TOKENS,
     RES_WIDTH,
-    MatchBatch,
-    build_match_kernels,
 )
-from .core.layout import CNT_DETACHES
 from . import inputs
 from .launcher import Launcher
 from .tables import Tables

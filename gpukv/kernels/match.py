@@ -18,18 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..core.backend import cpu_kernel, launch_stream
-from ..core.layout import (  # noqa: F401 (the result columns are re-exported for the host)
-    LN_COUNT,
-    LN_NODE,
-    LN_REQUEST,
-    LN_WIDTH,
-    RES_BEFORE_HYBRID_PRUNING,
-    RES_BEFORE_PRUNING,
-    RES_NUM_BLOCKS,
-    RES_NUM_LOOKUP_TOKENS,
-    RES_NUM_TOKENS,
-    RES_WIDTH,
-)
+from ..core.layout import LN_COUNT, LN_NODE, LN_REQUEST, LN_WIDTH
 from .walk import LANES, lane_step, lane_take, match_one
 from .link import link
 from .reuse import compact_one, finish, hash_one

@@ -16,7 +16,6 @@ import functools
 from ..core.backend import cpu_kernel, launch_stream
 from ..core.config import DEFAULT_PRIORITY
 from ..core.layout import (
-    NUM_LEVELS,
     ADD_NUM_TOKENS,
     ADD_PAGE_BLOCK,
     ADD_PAGE_COVERAGE,

@@ -69,7 +69,7 @@ import numpy as np
 import gpukv
 
 from .report import TIMELINE_FIELDS, ProgressBar, summarize
-from .workload import Workload, default_workload
+from .workload import Request, Workload, default_workload
 
 POLICIES = ("per-page", "full-blocks")
 ORDERS = ("longest-prefix", "arrival")

@@ -7,7 +7,6 @@ and against what an allocation can really get.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from gpukv import Attention, introspect
