@@ -225,10 +225,12 @@ class GpukvPerCache:
 
 
 class GpukvBatched(GpukvPerCache):
-    """gpukv through the batched calls of the running batch (``resize_batch``,
-    ``commit_batch``, ``close_batch``); admission through ``create_kv_caches``
-    one request at a time, so that each request reuses what the previous
-    ones prefilled, as with the per-cache calls."""
+    """gpukv through the batched calls of the running batch (a decode step
+    is one ``append_batch``: the step's token, then room for the next; a
+    gpukv without it, ``resize_batch`` then ``commit_batch``), and
+    ``close_batch``; admission through ``create_kv_caches`` one request at a
+    time, so that each request reuses what the previous ones prefilled, as
+    with the per-cache calls."""
 
     calls = "batched"
     REQUIRED = ("create_kv_caches", "resize_batch", "commit_batch", "close_batch")
@@ -249,12 +251,24 @@ class GpukvBatched(GpukvPerCache):
 
     def running(self, handles):
         kvs = list(handles)
+        if hasattr(self.mgr, "append_batch"):  # room for the first decode token; each step then leaves room for the next
+            grow = [kv for kv in kvs if kv.num_committed_tokens + 1 > kv.capacity]
+            if not self.mgr.resize_batch(grow, [-(-(kv.num_committed_tokens + 1) // T) * T for kv in grow]).all():
+                raise OutOfPages("gpukv: room for the first decode token")
+            kvs = self.mgr.cache_batch(kvs)  # the running batch, checked once
         return {"kvs": kvs, "n": np.array([kv.num_committed_tokens for kv in kvs], dtype=np.int64),
                 "cap": np.array([kv.capacity for kv in kvs], dtype=np.int64),
                 "offsets": np.arange(len(kvs) + 1, dtype=np.int64)}
 
     def decode(self, batch, tokens: np.ndarray):
-        kvs, n, cap = batch["kvs"], batch["n"], batch["cap"]
+        kvs = batch["kvs"]
+        if hasattr(self.mgr, "append_batch"):
+            # One launch: the token the step wrote, then room for the next (a block at a time).
+            ok = self.mgr.append_batch(kvs, (tokens, batch["offsets"]), room=1)
+            if not ok.all():
+                raise OutOfPages(f"gpukv: decode room of running requests {np.flatnonzero(~ok).tolist()}")
+            return
+        n, cap = batch["n"], batch["cap"]
         grow = np.flatnonzero(n + 1 > cap)
         if grow.size:
             want = -(-(n[grow] + 1) // T) * T

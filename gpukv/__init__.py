@@ -16,6 +16,7 @@ import logging
 
 from .arena import TokenSequence
 from .cache import KVCache, KVCacheStatus
+from .inputs import CacheBatch
 from .core.config import Attention, CacheConfig, Ssm, SwaScratchReuse
 from .core.errors import (
     BackendError, BusyError, ConfigError, IndexFullError, LogicError, StaleMatchError, TokenError, TreeError,
@@ -44,6 +45,7 @@ __all__ = [
     "BackendError",
     "BatchMatch",
     "BusyError",
+    "CacheBatch",
     "CacheConfig",
     "ConfigError",
     "IndexFullError",

@@ -62,6 +62,7 @@ from .core.layout import (
     Q_RESULT,
     Q_STATUS,
     SEQ_ADMIT,
+    SEQ_APPEND,
     SEQ_CLOSE,
     SEQ_COMMIT,
     SEQ_RESIZE,
@@ -485,6 +486,18 @@ class CacheCalls:
         else:
             self._commit(naming, slots, flat, np.diff(offsets), end, interned)
 
+    def append(self, caches, tokens, room, is_end=False) -> np.ndarray:
+        naming = Entries("append_batch()")
+        slots = inputs.cache_slots(caches, self.pool, naming.call)
+        n = len(slots)
+        naming.require(self.pool.host_scalars[slots, Q_STATUS], ACTIVE)
+        room = inputs.ints_or_one(room, n, "room", naming.call)
+        end = inputs.flags(is_end, n, "is_end", naming.call)
+        flat, offsets, interned = self._tokens(tokens, n, naming.call)
+        if not n:
+            return np.zeros(0, dtype=bool)
+        return self._append(naming, slots, flat, offsets, end, room, interned)
+
     def close(self, caches, evict_first=False) -> None:
         naming = Entries("close_batch()")
         slots = inputs.cache_slots(caches, self.pool, naming.call)
@@ -686,6 +699,66 @@ class CacheCalls:
         self._reserve_and_launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end), rows=_total(rows),
                      announced=announced, span=span, allocated=2 * some, tokens=flat,
                      tokens_off=_offsets(count) if is_batch(count) else None)
+
+    def _append(self, naming, slots, flat, offsets, end, room, interned) -> np.ndarray:
+        """``append``: the commit of ``flat[offsets[i]:offsets[i + 1]]`` to
+        each cache (``end`` its ``is_end``), then, unless it ends, a resize
+        to whole blocks past ``room[i]`` more tokens where the capacity is
+        short, the history as the commit leaves it; in one launch. True where
+        the room is there, False where a pool was short for it: the commit
+        stays and the capacity is as it was, as ``commit`` then ``resize``
+        one by one leave them."""
+        T = self.T
+        count = np.diff(offsets)
+        n0, state, cap, h, full, nb = self._scalars(
+            slots, Q_COMMITTED, Q_COMMIT_STATE, Q_CAPACITY, Q_HISTORY, Q_COMMITTED_BLOCKS, Q_NUM_BLOCKS)
+        n1 = n0 + count
+        some = count > 0
+        naming.check(some & (state == USER_STOP), LogicError, "Cannot commit tokens after stop_committing()")
+        naming.check(some & (n1 > cap), ValueError, "committing {} tokens would pass the capacity ({} > {})",
+                     count, n1, cap)
+        if self.config.commit_min_snapshot:
+            naming.check(some & (h != n0) & (h != n1), ValueError,
+                         "commit_min_snapshot: history_length ({}) must equal the committed length before ({}) or "
+                         "after ({}) the commit of {} tokens", h, n0, n1, count)
+        if interned is not None:
+            flat = interned()
+        want = n1 + room
+        blocks = np.maximum(nb, -(-want // T))  # once the room is made
+        # A room no pool could ever give is not asked for, as resize refuses
+        # it before the launch; the commit goes ahead.
+        resizing = ~end & (want > cap)
+        can_grow = pools_can_hold(self.pool.hold_rules, T, nb, blocks, np.maximum(h, n1)) & (blocks <= self.pool.max_blocks)
+        done = ~resizing | can_grow
+        resizing &= can_grow
+        blocks = np.where(resizing, blocks, nb)
+        go = np.flatnonzero(some | end | resizing)
+        if not go.size:
+            return done
+        if go.size < len(slots):
+            flat = flat[ranges(offsets[go], count[go])]
+            slots, n0, n1, count, end, some, full, nb, blocks, resizing, room = (
+                v[go] for v in (slots, n0, n1, count, end, some, full, nb, blocks, resizing, room))
+        reserved = self.pool.seg[slots, 1].copy()
+        # The room of the commit, as ``_commit`` counts it, and of the resize
+        # where there is one: its new blocks' segment rows, priorities and pages.
+        committed_blocks = np.where(some, -(-n1 // T), nb)
+        grows = (n1 // T > full) | end
+        if self.config.commit_min_snapshot:
+            grows = grows | (n1 % T != 0)
+        new = blocks - nb
+        self._reserve_and_launch(
+            naming, slots, SEQ_APPEND, (n0, count, end, np.where(resizing, room, 0)), segment=blocks, priorities=blocks,
+            rows=_total(grows * np.where(some, committed_blocks + 2, _STOP_ROWS)),
+            announced=grows * np.where(some, log_tokens_rows_for(committed_blocks, self.L), _stop_announced(nb)),
+            span=np.where(grows, committed_blocks, count // T + 2) + new,
+            allocated=np.where(resizing, new + self.pool.scratch_width + 1, 0) + 2 * some,
+            tokens=flat, tokens_off=_offsets(count))
+        ok = self.pool.host_scalars[slots, Q_RESULT] != 0
+        if not ok.all():  # a refused room keeps no segment rows it reserved
+            self.pool.trim(slots[~ok], reserved[~ok])
+        done[go] &= ok
+        return done
 
     def _close(self, slots, evict_first, caches):
         """``close(evict_first)`` of caches not closed yet (``caches``: the

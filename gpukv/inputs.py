@@ -8,9 +8,10 @@ named by the call (``what``: ``"resize_batch()"``) and the entry
 (``capacities[2]``), before anything changes:
 
 - ``is_entry_list``: what may stand for one entry per request or cache;
-- ``non_negative_int``, ``ints``, ``flags``, ``callback``, ``callbacks``:
-  per-call and per-entry values;
-- ``cache_slots``: a list of a manager's caches, each once, as pool slots;
+- ``non_negative_int``, ``ints``, ``ints_or_one``, ``flags``, ``callback``,
+  ``callbacks``: per-call and per-entry values;
+- ``cache_slots``: a list of a manager's caches, each once, as pool slots
+  (a ``CacheBatch``: checked once, when it was made);
 - ``one_scope``, ``scope_list``: the scopes of a batch, resolved once into a
   ``ScopeList`` that later steps of the same call take as it is;
 - ``token_batch``, ``one_request``: a batch's tokens in any of its three
@@ -89,6 +90,15 @@ def ints(values, n: int, name: str, what: str) -> np.ndarray:
     return a
 
 
+def ints_or_one(values, n: int, name: str, what: str) -> np.ndarray:
+    """A non-negative int for all, or one per cache, as int64."""
+    if isinstance(values, (int, np.integer)) and not isinstance(values, (bool, np.bool_)):
+        if values < 0:
+            raise ValueError(f"{what}: {name} must be a non-negative int, got {values!r}")
+        return np.full(n, int(values), dtype=np.int64)
+    return ints(values, n, name, what)
+
+
 def flags(values, n: int, name: str, what: str) -> np.ndarray:
     """A bool for all, or one per cache."""
     if isinstance(values, (bool, np.bool_)):
@@ -138,9 +148,28 @@ def _handle(kv):
     return None if type(slot) is not int or serial is None else (slot, serial)
 
 
+class CacheBatch(tuple):
+    """A list of one manager's caches, each once, checked once
+    (``mgr.cache_batch``): every batched call takes it where it takes a list
+    of caches and finds their slots without checking the list again (an
+    engine's running batch, the same every decode step). It holds its
+    caches, so their slots stay theirs while it lives; each call still
+    checks their states."""
+
+    def __new__(cls, caches, slots: np.ndarray, pool):
+        batch = super().__new__(cls, caches)
+        slots.setflags(write=False)
+        batch.slots, batch.pool = slots, pool
+        return batch
+
+
 def cache_slots(caches, pool, what: str) -> np.ndarray:
     """The slots in ``pool`` (a ``CachePool``) of ``caches``: a list of the
-    pool's caches, each once."""
+    pool's caches, each once, or a ``CacheBatch`` of them."""
+    if type(caches) is CacheBatch:
+        if caches.pool is not pool:
+            raise ValueError(f"{what}: the cache batch belongs to another manager")
+        return caches.slots
     if not is_entry_list(caches):
         raise TypeError(f"{what}: caches must be a list of KVCache (in order), got {type(caches).__name__}")
     n = len(caches)

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from . import kernel_cache, page_reads
+from . import inputs, kernel_cache, page_reads
 from .arena import TokenArena, TokenSequence
 from .core.backend import get_backend, quiet_simulator
 from .cache import CacheContext, KVCache
@@ -268,6 +268,25 @@ class KVCacheManager:
         ``(flat_tokens, offsets)`` with offsets of length len(caches) + 1
         (device arrays accepted on ``cuda``); ``is_end``: a bool or one per cache."""
         self._calls.commit(caches, tokens, is_end)
+
+    def cache_batch(self, caches) -> inputs.CacheBatch:
+        """``caches`` (this manager's, each once) checked once, as a tuple
+        that every batched call takes where it takes a list of caches, without
+        checking it again: an engine's running batch, made when it changes and
+        passed to each step's calls (``append_batch``, ``commit_batch``, ...)."""
+        return inputs.CacheBatch(caches, inputs.cache_slots(caches, self._pool, "cache_batch()").copy(), self._pool)
+
+    @serialized("mgr.append_batch()")
+    def append_batch(self, caches, tokens, room=1, is_end=False) -> np.ndarray:
+        """What an engine step ends with, in one launch: for each ACTIVE cache,
+        in order, ``kv.commit(tokens[i], is_end[i])`` (the tokens whose KV the
+        step wrote), then, unless it ended, room for ``room`` (an int, or one
+        per cache) more tokens: ``kv.resize`` to whole blocks past them, the
+        history as the commit leaves it, where the capacity is short. A bool
+        per cache: False where a pool was short for the room; its tokens are
+        committed and its capacity is as it was (preempt it, or retry).
+        ``tokens`` and ``is_end`` as ``commit_batch`` takes them."""
+        return self._calls.append(caches, tokens, room, is_end)
 
     @serialized("mgr.close_batch()")
     def close_batch(self, caches, evict_first=False) -> None:

@@ -341,6 +341,9 @@ CLOSE_ARGS = Layout("close_args", np.int64, [("evict_first", 1)])
 # two as SETUP_ARGS) and its sizing: a capacity below zero resumes only (the
 # host refused the sizing).
 ADMIT_ARGS = Layout("admit_args", np.int64, [("num_tokens", 1), ("num_blocks", 1), ("capacity", 1)])
+# An append's: a commit's (SEQ_APPEND reads the first three as COMMIT_ARGS),
+# then the room to make for more tokens.
+APPEND_ARGS = Layout("append_args", np.int64, [("first", 1), ("count", 1), ("is_end", 1), ("room", 1)])
 
 
 def slot_row(block, life_cycle, num_life_cycles):
@@ -357,7 +360,7 @@ SHA256_WORK_WORDS = 24  # SHA-256 scratch per digest: 8 state words + 16 message
 
 # The sequence kernels' operations (kernels/seq.py). The sizing kernel runs
 # the first six (what pages a cache holds), the commit kernel the other
-# three (what the tree gets); a launch runs one of them, and no call needs
+# four (what the tree gets); a launch runs one of them, and no call needs
 # both. Two kernels, not one, because a cold compile of each is about half
 # as long, and both compile at once.
 SEQ_SETUP_REUSE = 1  # SETUP_ARGS: matched tokens N, blocks in Q.path[:count]
@@ -369,6 +372,7 @@ SEQ_ADMIT = 6  # ADMIT_ARGS: the first resume, then the resize to the capacity
 SEQ_COMMIT = 7  # COMMIT_ARGS
 SEQ_STOP = 8
 SEQ_CLOSE = 9  # CLOSE_ARGS
+SEQ_APPEND = 10  # APPEND_ARGS: the commit, then a resize to room for more tokens when the capacity is short
 FIRST_COMMIT_OP = SEQ_COMMIT  # ops from here on are the commit kernel's
 
 # The work list of one sequence launch (``work``: int64 [n + 1, BATCH_WIDTH]),
@@ -556,6 +560,11 @@ ADMIT_NUM_TOKENS = 0
 ADMIT_NUM_BLOCKS = 1
 ADMIT_CAPACITY = 2
 
+APPEND_FIRST = 0
+APPEND_COUNT = 1
+APPEND_IS_END = 2
+APPEND_ROOM = 3
+
 BLK_WIDTH = BLOCKS.width
 PAGE_WIDTH = PAGES.width
 LOG_WIDTH = LOG.width
@@ -580,10 +589,11 @@ for _layout, _prefix in (
     (LANE, "LN"), (ADD_ARGS, "ADD"), (INSERT_ARGS, "INSERT"), (ADD_PAGE_ARGS, "ADD_PAGE"), (UNLINK_ARGS, "UNLINK"),
     (PAGE_ARGS, "PAGE_ARG"), (DROP_ARGS, "DROP"), (BLOCK_ARGS, "BLOCK_ARG"), (ANNOUNCE_ARGS, "ANNOUNCE"), (EVICT_ARGS, "EVICT"),
     (TREE_OUT, "OUT"), (SETUP_ARGS, "SETUP"), (RESIZE_ARGS, "RESIZE"), (COMMIT_ARGS, "COMMIT"), (CLOSE_ARGS, "CLOSE"),
-    (ADMIT_ARGS, "ADMIT"),
+    (ADMIT_ARGS, "ADMIT"), (APPEND_ARGS, "APPEND"),
 ):
     _check_columns(_layout, _prefix)
 assert ADD_ARGS.width <= TREE_ARGS_WIDTH and INSERT_ARGS.width <= TREE_ARGS_WIDTH
-assert max(a.width for a in (SETUP_ARGS, RESIZE_ARGS, COMMIT_ARGS, CLOSE_ARGS, ADMIT_ARGS)) <= SEQ_ARGS_WIDTH
+assert max(a.width for a in (SETUP_ARGS, RESIZE_ARGS, COMMIT_ARGS, CLOSE_ARGS, ADMIT_ARGS, APPEND_ARGS)) <= SEQ_ARGS_WIDTH
+assert (APPEND_FIRST, APPEND_COUNT, APPEND_IS_END) == (COMMIT_FIRST, COMMIT_COUNT, COMMIT_IS_END)
 assert INSERT_ROOT_DIGEST == ADD_ROOT_DIGEST
 assert (ADMIT_NUM_TOKENS, ADMIT_NUM_BLOCKS) == (SETUP_NUM_TOKENS, SETUP_NUM_BLOCKS)

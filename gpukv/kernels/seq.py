@@ -24,6 +24,10 @@ from collections import namedtuple
 from ..core.backend import cpu_kernel, launch_stream
 from ..core.layout import (
     ADMIT_CAPACITY,
+    APPEND_COUNT,
+    APPEND_FIRST,
+    APPEND_IS_END,
+    APPEND_ROOM,
     BATCH_ARGS,
     BATCH_OP,
     BATCH_PATH,
@@ -33,10 +37,13 @@ from ..core.layout import (
     COMMIT_COUNT,
     COMMIT_FIRST,
     COMMIT_IS_END,
+    Q_CAPACITY,
+    Q_HISTORY,
     Q_RESULT,
     RESIZE_CAPACITY,
     RESIZE_HISTORY,
     SEQ_ADMIT,
+    SEQ_APPEND,
     SEQ_ARGS_WIDTH,
     SEQ_CLOSE,
     SEQ_COMMIT,
@@ -103,6 +110,25 @@ def commit_step(S, Q, op):
         stop_committing(S, Q, out)
     elif op == SEQ_CLOSE:
         close(S, Q, Q.args[CLOSE_EVICT_FIRST], out)
+    elif op == SEQ_APPEND:
+        append(S, Q, Q.args[APPEND_FIRST], Q.args[APPEND_COUNT], Q.args[APPEND_IS_END] == 1, Q.args[APPEND_ROOM], out)
+
+
+@helper
+def append(S, Q, n0, k, is_end, room, out):
+    """What a step ends with, as one call: the commit of the ``k`` tokens
+    whose KV it wrote (a stop when there are none and it ends), then, unless
+    it ended, room for ``room`` more tokens (whole blocks, the history as the
+    commit leaves it) when the capacity is short. A pool short for the room
+    refuses only the room (``Q_RESULT`` 0): the commit stays."""
+    if k > 0:
+        commit(S, Q, n0, k, is_end, out)
+    elif is_end:
+        stop_committing(S, Q, out)
+    want = n0 + k + room
+    if not is_end and want > Q.scalars[Q_CAPACITY]:
+        T = S.tokens.shape[1]
+        resize(S, Q, (want + T - 1) // T * T, Q.scalars[Q_HISTORY])
 
 
 SeqPool = namedtuple(
@@ -145,14 +171,15 @@ def item_tables(S, P, work, i, tokens, path):
     """Item ``i`` of the work list: its slot's SeqTables (views of the slot's
     rows of the pool, the arrays the single-cache code was written for), with
     its input copied in: tokens ``tokens[work[i, BATCH_TOKENS]:work[i + 1,
-    BATCH_TOKENS]]`` (a commit's at its first position, reuse setup's from
+    BATCH_TOKENS]]`` (a commit's or an append's at its first position, reuse setup's from
     0) and matched blocks from ``path`` likewise."""
     begin_launch(S)  # each item judges the host tier's room afresh, as its own launch would
     T = S.tokens.shape[1]
     s = work[i, BATCH_SLOT]
     a = P.seg[s, 0]
     Q = slot_tables(P, s, a, a + P.seg[s, 1], T, work[i, BATCH_ARGS:BATCH_ARGS + SEQ_ARGS_WIDTH])
-    at = Q.args[COMMIT_FIRST] if work[i, BATCH_OP] == SEQ_COMMIT else 0
+    op = work[i, BATCH_OP]
+    at = Q.args[COMMIT_FIRST] if op == SEQ_COMMIT or op == SEQ_APPEND else 0
     t0 = work[i, BATCH_TOKENS]
     for j in range(work[i + 1, BATCH_TOKENS] - t0):
         Q.tokens[at + j] = tokens[t0 + j]

@@ -1,5 +1,5 @@
 """The batched engine-step calls (``create_kv_caches``, ``resume_batch``,
-``resize_batch``, ``commit_batch``, ``close_batch``) against the per-cache
+``resize_batch``, ``commit_batch``, ``append_batch``, ``close_batch``) against the per-cache
 calls issued one by one in the same order: random workloads in the batched
 lockstep (``tests/support/batch_lockstep.py``), three ways at once: the
 plain-Python model with per-cache calls, a gpukv manager with the batched
@@ -30,6 +30,18 @@ def test_batched_calls_equal_the_per_cache_calls(config):
     assert stats.get("admitted_matched", 0) > 0 and stats.get("allocated_together", 0) > 0, stats
 
 
+@pytest.mark.parametrize("pool", [POOL, TIGHT_POOL])
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_steps_ending_in_append_batch(config, pool):
+    """Some steps end in ``append_batch`` (their tokens, then room for the
+    next), against ``commit`` then ``resize`` on the oracle and the twin; a
+    tight pool refuses rooms."""
+    stats = BatchLockstep(random.Random(2), config, pool, appends=True).run_steps(40)
+    assert stats.get("appended", 0) > 20 and stats.get("commits", 0) > 5, stats
+    if pool == TIGHT_POOL and config[0] == "F":
+        assert stats.get("append_refused", 0) > 0, stats
+
+
 @pytest.mark.parametrize("pool", [PRESSURE_POOL, TIGHT_POOL])
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_batched_calls_under_memory_pressure(config, pool):
@@ -55,3 +67,5 @@ def test_batched_calls_on_the_cuda_kernels(config, pool):
     unless GPUKV_TEST_CUDA=1), at small sizes."""
     stats = BatchLockstep(random.Random(4), config, pool, backend=GPU_BACKEND).run_steps(10)
     assert stats.get("commits", 0) > 5 and stats.get("allocated_together", 0) > 0, stats
+    stats = BatchLockstep(random.Random(7), config, pool, backend=GPU_BACKEND, appends=True).run_steps(14)
+    assert stats.get("appended", 0) > 8, stats

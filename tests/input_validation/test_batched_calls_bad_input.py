@@ -132,6 +132,33 @@ def test_bad_values_in_one_entry_are_refused(mgr):
         mgr.create_kv_caches([[1, 2], [3]], priority_callbacks=[None])
 
 
+def test_append_batch_refuses_bad_input_by_name(mgr):
+    """``append_batch`` refuses what ``commit_batch`` refuses, and a room
+    that is no non-negative int, before anything changes."""
+    kvs = running(mgr, 3)
+    with rejected(mgr, kvs, ValueError, r"append_batch\(\): caches\[2\] is caches\[0\] again"):
+        mgr.append_batch([kvs[0], kvs[1], kvs[0]], [[1], [2], [3]])
+    with rejected(mgr, kvs, ValueError, r"append_batch\(\): caches\[1\]: committing 5 tokens would pass the capacity"):
+        mgr.append_batch(kvs, [[1], [1] * 5, [3]])  # tokens go within the room the last step left
+    with rejected(mgr, kvs, gpukv.TokenError, r"request 2: token -5 at position 1"):
+        mgr.append_batch(kvs, [[1], [2], [3, -5]])
+    with rejected(mgr, kvs, ValueError, r"append_batch\(\): room has 2 entries for 3 caches"):
+        mgr.append_batch(kvs, [[1], [2], [3]], room=[1, 1])
+    with rejected(mgr, kvs, ValueError, r"room\[1\] must be a non-negative int, got -1"):
+        mgr.append_batch(kvs, [[1], [2], [3]], room=[1, -1, 1])
+    with rejected(mgr, kvs, ValueError, r"append_batch\(\): room must be a non-negative int, got -2"):
+        mgr.append_batch(kvs, [[1], [2], [3]], room=-2)
+    with rejected(mgr, kvs, TypeError, r"room\[0\] must be a non-negative int, got True"):
+        mgr.append_batch(kvs, [[1], [2], [3]], room=[True, 1, 1])
+    with rejected(mgr, kvs, TypeError, r"append_batch\(\): room must be one non-negative int per cache"):
+        mgr.append_batch(kvs, [[1], [2], [3]], room=True)
+    with rejected(mgr, kvs, TypeError, r"append_batch\(\): is_end\[1\] must be a bool"):
+        mgr.append_batch(kvs, [[1], [2], [3]], is_end=[False, 1, False])
+    kvs[1].close()
+    with rejected(mgr, kvs, gpukv.LogicError, r"append_batch\(\): caches\[1\] is CLOSED"):
+        mgr.append_batch(kvs, [[1], [2], [3]])
+
+
 def test_a_refused_resize_in_the_middle_changes_only_itself():
     mgr = make_manager("cpu", tokens_per_block=T, layers=[Attention()], pages_per_life_cycle=8)
     kvs = running(mgr, 3, length=4)  # 2 pages each: 6 of 8 in use, all locked

@@ -29,8 +29,9 @@ class BatchLockstep(Lockstep):
     """``Lockstep``'s oracle and gpukv manager, the gpukv side driven through
     the batched calls, plus a twin manager driven per cache."""
 
-    def __init__(self, rng, config, pool: int = POOL, backend: str = "cpu"):
+    def __init__(self, rng, config, pool: int = POOL, backend: str = "cpu", appends: bool = False):
         super().__init__(rng, config, pool)
+        self.appends = appends  # some steps end in append_batch
         if backend != "cpu":  # the batched side on the CUDA kernels, the twin on cpu
             self.mgr = gpukv.KVCacheManager(dataclasses.replace(self.mgr.config, backend=backend))
             self.engine = Engine(self.mgr)
@@ -169,6 +170,27 @@ class BatchLockstep(Lockstep):
             t.tokens += x
             t.stopped = t.stopped or e
 
+    def append(self, turns, tokens, rooms, ends) -> np.ndarray:
+        """``append_batch``: each turn's commit, then room for more tokens,
+        against ``commit`` then ``resize`` (to whole blocks, unless it ended)
+        one by one on the oracle and the per-cache twin."""
+        room = rooms if self.rng.random() < 0.5 or len(set(rooms)) > 1 else rooms[0]  # one for all, or one each
+        got = self.mgr.append_batch([t.g for t in turns], tokens, room=room, is_end=list(ends))
+        assert got.dtype == bool and got.shape == (len(turns),)
+        T = self.mgr.tokens_per_block
+        for t, x, r, e, g in zip(turns, tokens, rooms, ends, got.tolist()):
+            outcomes = []
+            for c in (t.o, self.twins[id(t)]):
+                c.commit(x, is_end=e)
+                need = c.num_committed_tokens + r
+                outcomes.append(e or need <= c.capacity or c.resize(-(-need // T) * T, c.history_length))
+            want, twin = outcomes
+            assert g == want == twin, f"append of {t}: batched {g}, oracle {want}, per-cache twin {twin}"
+            self.count("append_refused" if not want else "appended")
+            t.tokens += x
+            t.stopped = t.stopped or e
+        return got
+
     def close(self, turns):
         if not turns:
             return
@@ -193,7 +215,9 @@ class BatchLockstep(Lockstep):
         running = running[: rng.randint(0, len(running))]
         if together and not running:
             self.admit(rng.randint(1, 3))
-        if running:
+        if running and self.appends and not together and rng.random() < 0.5:
+            self.append_step(running)
+        elif running:
             caps, hists, plans = [], [], []
             for t in running:
                 pos = len(t.tokens)
@@ -244,6 +268,26 @@ class BatchLockstep(Lockstep):
         rng.shuffle(done)
         self.close(done)
         self.compare_all()
+
+    def append_step(self, running):
+        """A step that ends in ``append_batch``: each running cache's tokens
+        within the room the last step left (none where there is none), then
+        room for a random number more (a decode step's one, a chunk's many)."""
+        rng = self.rng
+        tokens, rooms, ends = [], [], []
+        for t in running:
+            pos = len(t.tokens)
+            k = min(t.g.capacity - pos, rng.randint(0, 3))
+            if self.cms and t.g.history_length != pos:
+                k = 0  # a commit must start or end at the history: room only
+            new = t.prompt[pos:pos + k] if pos < len(t.prompt) else self.tokens(k)
+            self.run(t, t.tokens + new, pos, pos + len(new))
+            tokens.append(new)
+            rooms.append(rng.choice([0, 1, 1, 1, 2, self.mgr.tokens_per_block + 3]))
+            ends.append(rng.random() < 0.05)
+        ok = self.append(running, tokens, rooms, ends)
+        self.compare_all()
+        self.close([t for t, good in zip(running, ok.tolist()) if not good])
 
     def compare_all(self):
         self.check()
