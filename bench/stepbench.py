@@ -176,7 +176,9 @@ class OutOfPages(RuntimeError):
 # -- gpukv ----------------------------------------------------------------------------------------------
 class GpukvPerCache:
     """gpukv through the per-cache calls: ``create_kv_cache`` (the match),
-    ``resume``, ``resize`` and ``commit`` per chunk and per decode token,
+    ``resume``, a ``resize`` for the first chunk, then per chunk an
+    ``append`` (its commit and room for the next; a gpukv without it:
+    ``resize`` and ``commit``), per decode token ``resize`` and ``commit``,
     ``close``."""
 
     name = "gpukv"
@@ -199,7 +201,17 @@ class GpukvPerCache:
         if not kv.resume():
             kv.close()
             raise OutOfPages(f"gpukv: resume of request {i}")
-        for n0, n1 in chunks(reused, p.size):
+        spans = chunks(reused, p.size)
+        if hasattr(kv, "append"):  # per chunk one launch: its commit, then room for the next
+            if not kv.resize(spans[0][1], reused):
+                kv.close()
+                raise OutOfPages(f"gpukv: resize of request {i} to {spans[0][1]}")
+            for k, (n0, n1) in enumerate(spans):
+                if not kv.append(p[n0:n1], room=spans[k + 1][1] - n1 if k + 1 < len(spans) else 0):
+                    kv.close()
+                    raise OutOfPages(f"gpukv: room for request {i}'s chunk after {n1}")
+            return kv, reused
+        for n0, n1 in spans:
             if not kv.resize(n1, n0):
                 kv.close()
                 raise OutOfPages(f"gpukv: resize of request {i} to {n1}")
@@ -225,17 +237,22 @@ class GpukvPerCache:
 
 
 class GpukvBatched(GpukvPerCache):
-    """gpukv through the batched calls of the running batch (a decode step
-    is one ``append_batch``: the step's token, then room for the next; a
-    gpukv without it, ``resize_batch`` then ``commit_batch``), and
-    ``close_batch``; admission through ``create_kv_caches`` one request at a
-    time, so that each request reuses what the previous ones prefilled, as
-    with the per-cache calls."""
+    """gpukv through the batched calls for the running batch: a decode step
+    is one ``append_batch`` (the step's token, then room for the next), and
+    ``close_batch``. Admission takes one request at a time, so that each
+    reuses what the previous ones prefilled, with the per-cache calls a
+    batch of one takes (``create_kv_cache``, ``resume``, a ``resize`` for
+    the first chunk, then per chunk one ``append``: its commit and room for
+    the next). A gpukv without ``append_batch``: ``create_kv_caches``,
+    ``resume``, then per chunk and step ``resize_batch`` and
+    ``commit_batch``."""
 
     calls = "batched"
     REQUIRED = ("create_kv_caches", "resize_batch", "commit_batch", "close_batch")
 
     def admit(self, i: int):
+        if hasattr(self.mgr, "append_batch"):  # one request: the calls a batch of one takes, per cache
+            return super().admit(i)
         p = self.w.prompts[i]
         (kv,) = self.mgr.create_kv_caches([p[:-1]])  # SUSPENDED, holding its reused pages
         reused = kv.num_committed_tokens

@@ -242,6 +242,7 @@ _RESUME = OneCache("resume()")
 _SUSPEND = OneCache("suspend()")
 _RESIZE = OneCache("resize()")
 _COMMIT = OneCache("commit()")
+_APPEND = OneCache("append()")
 
 
 class CacheCalls:
@@ -306,6 +307,15 @@ class CacheCalls:
         arr, digests = tokens_and_digests(tokens, self.tables.lookup_digest)
         interned = (lambda: token_array(tokens, self.tables.intern_digest)) if digests else None
         self._commit(_COMMIT, slot, arr, len(arr), bool(is_end), interned)
+
+    def append_one(self, slot: int, tokens, room, is_end) -> bool:
+        _APPEND.require(self.pool.host_scalars[slot, Q_STATUS], ACTIVE)
+        room = inputs.non_negative_int("room", room)
+        if not isinstance(is_end, (bool, np.bool_)):
+            raise TypeError(f"is_end must be a bool, got {is_end!r}")
+        arr, digests = tokens_and_digests(tokens, self.tables.lookup_digest)
+        interned = (lambda: token_array(tokens, self.tables.intern_digest)) if digests else None
+        return self._append(_APPEND, slot, arr, len(arr), bool(is_end), room, interned)
 
     def stop_one(self, slot: int):
         status, nb = self._scalars(slot, Q_STATUS, Q_NUM_BLOCKS)
@@ -494,9 +504,12 @@ class CacheCalls:
         room = inputs.ints_or_one(room, n, "room", naming.call)
         end = inputs.flags(is_end, n, "is_end", naming.call)
         flat, offsets, interned = self._tokens(tokens, n, naming.call)
+        if n == 1:  # a prefill chunk's: the per-cache path
+            return np.array([self._append(naming, int(slots[0]), flat, int(offsets[1]), bool(end[0]), int(room[0]),
+                                          interned)])
         if not n:
             return np.zeros(0, dtype=bool)
-        return self._append(naming, slots, flat, offsets, end, room, interned)
+        return self._append(naming, slots, flat, np.diff(offsets), end, room, interned)
 
     def close(self, caches, evict_first=False) -> None:
         naming = Entries("close_batch()")
@@ -700,16 +713,15 @@ class CacheCalls:
                      announced=announced, span=span, allocated=2 * some, tokens=flat,
                      tokens_off=_offsets(count) if is_batch(count) else None)
 
-    def _append(self, naming, slots, flat, offsets, end, room, interned) -> np.ndarray:
-        """``append``: the commit of ``flat[offsets[i]:offsets[i + 1]]`` to
-        each cache (``end`` its ``is_end``), then, unless it ends, a resize
-        to whole blocks past ``room[i]`` more tokens where the capacity is
-        short, the history as the commit leaves it; in one launch. True where
-        the room is there, False where a pool was short for it: the commit
-        stays and the capacity is as it was, as ``commit`` then ``resize``
-        one by one leave them."""
+    def _append(self, naming, slots, flat, count, end, room, interned):
+        """``append`` of ``count`` tokens of ``flat`` to each cache (in order;
+        for one cache all of them), ``end`` its ``is_end``: the commit, then,
+        unless it ends, a resize to whole blocks past ``room`` more tokens
+        where the capacity is short, the history as the commit leaves it; in
+        one launch. True where the room is there, False where a pool was
+        short for it: the commit stays and the capacity is as it was, as
+        ``commit`` then ``resize`` one by one leave them."""
         T = self.T
-        count = np.diff(offsets)
         n0, state, cap, h, full, nb = self._scalars(
             slots, Q_COMMITTED, Q_COMMIT_STATE, Q_CAPACITY, Q_HISTORY, Q_COMMITTED_BLOCKS, Q_NUM_BLOCKS)
         n1 = n0 + count
@@ -724,39 +736,41 @@ class CacheCalls:
         if interned is not None:
             flat = interned()
         want = n1 + room
-        blocks = np.maximum(nb, -(-want // T))  # once the room is made
+        blocks = _max(nb, -(-want // T))  # once the room is made
         # A room no pool could ever give is not asked for, as resize refuses
         # it before the launch; the commit goes ahead.
-        resizing = ~end & (want > cap)
-        can_grow = pools_can_hold(self.pool.hold_rules, T, nb, blocks, np.maximum(h, n1)) & (blocks <= self.pool.max_blocks)
-        done = ~resizing | can_grow
-        resizing &= can_grow
-        blocks = np.where(resizing, blocks, nb)
-        go = np.flatnonzero(some | end | resizing)
-        if not go.size:
+        resizing = (want > cap) & (end ^ True)
+        can_grow = pools_can_hold(self.pool.hold_rules, T, nb, blocks, _max(h, n1)) & (blocks <= self.pool.max_blocks)
+        done = (resizing ^ True) | can_grow
+        resizing = resizing & can_grow
+        picked, go = _select(some | end | resizing, [slots, n0, n1, count, end, some, full, nb, blocks, resizing, room])
+        if picked is None:
             return done
-        if go.size < len(slots):
-            flat = flat[ranges(offsets[go], count[go])]
-            slots, n0, n1, count, end, some, full, nb, blocks, resizing, room = (
-                v[go] for v in (slots, n0, n1, count, end, some, full, nb, blocks, resizing, room))
-        reserved = self.pool.seg[slots, 1].copy()
+        if go is not None:
+            flat = flat[ranges(_offsets(count)[go], count[go])]
+        slots, n0, n1, count, end, some, full, nb, blocks, resizing, room = picked
+        reserved = self.pool.seg[slots, 1].copy() if type(slots) is _ARRAY else int(self.pool.seg[slots, 1])
         # The room of the commit, as ``_commit`` counts it, and of the resize
         # where there is one: its new blocks' segment rows, priorities and pages.
-        committed_blocks = np.where(some, -(-n1 // T), nb)
+        committed = _where(some, -(-n1 // T), nb)
         grows = (n1 // T > full) | end
         if self.config.commit_min_snapshot:
             grows = grows | (n1 % T != 0)
         new = blocks - nb
         self._reserve_and_launch(
-            naming, slots, SEQ_APPEND, (n0, count, end, np.where(resizing, room, 0)), segment=blocks, priorities=blocks,
-            rows=_total(grows * np.where(some, committed_blocks + 2, _STOP_ROWS)),
-            announced=grows * np.where(some, log_tokens_rows_for(committed_blocks, self.L), _stop_announced(nb)),
-            span=np.where(grows, committed_blocks, count // T + 2) + new,
-            allocated=np.where(resizing, new + self.pool.scratch_width + 1, 0) + 2 * some,
-            tokens=flat, tokens_off=_offsets(count))
+            naming, slots, SEQ_APPEND, (n0, count, end, _where(resizing, room, 0)), segment=blocks, priorities=blocks,
+            rows=_total(grows * _where(some, committed + 2, _STOP_ROWS)),
+            announced=grows * _where(some, log_tokens_rows_for(committed, self.L), _stop_announced(nb)),
+            span=_where(grows, committed, count // T + 2) + new,
+            allocated=_where(resizing, new + self.pool.scratch_width + 1, 0) + 2 * some,
+            tokens=flat, tokens_off=_offsets(count) if type(count) is _ARRAY else None)
         ok = self.pool.host_scalars[slots, Q_RESULT] != 0
-        if not ok.all():  # a refused room keeps no segment rows it reserved
-            self.pool.trim(slots[~ok], reserved[~ok])
+        if not _all(ok):  # a refused room keeps no segment rows it reserved
+            self.pool.trim(slots[~ok] if type(slots) is _ARRAY else slots, reserved[~ok] if type(slots) is _ARRAY else reserved)
+        if type(done) is not _ARRAY:
+            return bool(done and ok)
+        if go is None:
+            return done & ok
         done[go] &= ok
         return done
 

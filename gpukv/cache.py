@@ -207,6 +207,15 @@ class KVCache:
         """Commit the next tokens of the sequence into the reuse tree (§2.5)."""
         self._calls.commit_one(self._slot, tokens, is_end)
 
+    @serialized("kv.append()")
+    def append(self, tokens, room: int = 1, is_end: bool = False) -> bool:
+        """``commit(tokens, is_end)``, then, unless it ended, room for
+        ``room`` more tokens (``resize`` to whole blocks past them, the
+        history as the commit leaves it) where the capacity is short, in one
+        launch: what a step ends with. False where a pool is short for the
+        room: the tokens are committed and the capacity is as it was."""
+        return self._calls.append_one(self._slot, tokens, room, is_end)
+
     @serialized("kv.stop_committing()")
     def stop_committing(self):
         self._calls.stop_one(self._slot)

@@ -154,3 +154,31 @@ def test_a_cache_batch_is_taken_where_a_list_is(twins):
         mgr.append_batch(batch, [[1]] * 3)
     mgr.close_batch(batch)
     assert [kv.status.name for kv in kvs] == ["CLOSED"] * 3
+
+
+def test_the_per_cache_append_is_a_batch_of_one(twins):
+    """``kv.append`` is ``append_batch([kv])``: chunks of a prefill, each
+    committed with room for the next, the last with none; its bad input is
+    refused naming the call, nothing changed."""
+    mgr, twin = twins
+    prompt = list(range(1, 23))
+    (kv,), (w,) = admit(mgr, [prompt[:2]]), admit(twin, [prompt[:2]])
+    assert kv.resize(5) and w.resize(5)
+    chunks = [(2, 5), (5, 14), (14, 22)]
+    for k, (start, end) in enumerate(chunks):
+        room = chunks[k + 1][1] - end if k + 1 < len(chunks) else 0  # the next chunk's tokens
+        got = kv.append(prompt[start:end], room=room)
+        want = twin.append_batch([w], [prompt[start:end]], room=room)
+        assert got is True and want.tolist() == [True]
+        same([kv], [w])
+    assert list(kv.committed_tokens) == prompt and kv.capacity == 24  # the room for 22 tokens, in whole blocks
+    with pytest.raises(ValueError, match=r"room must be a non-negative int, got -1"):
+        kv.append([], room=-1)
+    with pytest.raises(TypeError, match=r"is_end must be a bool"):
+        kv.append([], is_end=1)
+    with pytest.raises(ValueError, match=r"committing 3 tokens would pass the capacity"):
+        kv.append([1, 2, 3])
+    same([kv], [w])
+    kv.close()
+    with pytest.raises(LogicError, match=r"append\(\) needs an ACTIVE KV cache; this one is CLOSED"):
+        kv.append([1])
