@@ -16,8 +16,8 @@ through the same steps, each written once:
              (``resize_batch(): caches[2]: ...``) as ``OneCache`` / ``Entries`` say
     launch   ask the priority callbacks, reserve room (the segments, free
              block rows, the change log), set the kernel arguments, launch,
-             read the caches' scalars back: ``CacheCalls._reserve_and_launch``, the one
-             place that reserves table room
+             read the caches' scalars back: ``CacheCalls._reserve_and_launch``,
+             the one place that reserves table room
 
 A call's values are ints for one cache and int64 arrays for many, and one
 expression serves both (the helpers below, ``_any`` to ``_select``, are the
@@ -427,8 +427,8 @@ class CacheCalls:
             ops = np.concatenate([np.full(len(p[0]), p[1]) for p in parts])
             args = tuple(np.concatenate([p[2][c] for p in parts]) for c in range(3))
             self._reserve_and_launch(naming, items, ops, args, span=column(3), allocated=column(4),
-                         path=np.asarray(m.block_ids, dtype=np.int64)[ranges(offsets[idx[go]], nblocks[go])],
-                         path_off=_offsets(column(5)))
+                                     path=np.asarray(m.block_ids, dtype=np.int64)[ranges(offsets[idx[go]], nblocks[go])],
+                                     path_off=_offsets(column(5)))
             if growth is not None:
                 grown = self._resized(gs, reserved, go_g, len(grow[0]))
             ok = self.pool.host_scalars[slots, Q_RESULT] != 0
@@ -548,14 +548,16 @@ class CacheCalls:
             if go.size == 1:
                 i = int(go[0])
                 start = int(offsets[i])
-                self._reserve_and_launch(None, int(slots[i]), SEQ_SETUP_REUSE, (int(matched[i]), int(nblocks[i])),
-                             span=int(nblocks[i]), tokens=flat[start:start + int(matched[i])],
-                             path=np.asarray(m.block_ids, dtype=np.int64)[m.block_offsets[i]:m.block_offsets[i + 1]])
+                self._reserve_and_launch(
+                    None, int(slots[i]), SEQ_SETUP_REUSE, (int(matched[i]), int(nblocks[i])), span=int(nblocks[i]),
+                    tokens=flat[start:start + int(matched[i])],
+                    path=np.asarray(m.block_ids, dtype=np.int64)[m.block_offsets[i]:m.block_offsets[i + 1]])
             elif go.size:
                 flat = flat[ranges(offsets[:-1][go], matched[go])]
                 path = np.asarray(m.block_ids, dtype=np.int64)[ranges(np.asarray(m.block_offsets)[go], nblocks[go])]
                 self._reserve_and_launch(None, slots[go], SEQ_SETUP_REUSE, (matched[go], nblocks[go]), span=nblocks[go],
-                             tokens=flat, tokens_off=_offsets(matched[go]), path=path, path_off=_offsets(nblocks[go]))
+                                         tokens=flat, tokens_off=_offsets(matched[go]), path=path,
+                                         path_off=_offsets(nblocks[go]))
             if tokens is not None:
                 self._record_lookups(tokens.lengths(), matched)
             return made
@@ -619,8 +621,8 @@ class CacheCalls:
         k = self.pool.scratch_width
         reserved = self.pool.seg[s, 1].copy() if type(s) is _ARRAY else int(self.pool.seg[s, 1])
         self._reserve_and_launch(naming, s, SEQ_RESIZE, (c, h), segment=blocks, priorities=blocks,
-                     span=_max(have, blocks),  # the old blocks (stale ones, a shrink) and the new
-                     allocated=_max(0, blocks - have) + k + 1)
+                                 span=_max(have, blocks),  # the old blocks (stale ones, a shrink) and the new
+                                 allocated=_max(0, blocks - have) + k + 1)
         return self._resized(s, reserved, go, len(slots) if type(slots) is _ARRAY else None)
 
     def _resized(self, s, reserved, go, n):
@@ -709,9 +711,9 @@ class CacheCalls:
         # The rest only raise their history: per life cycle at most the
         # blocks that many tokens make stale.
         span = _where(grows, blocks, count // T + 2)
-        self._reserve_and_launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end), rows=_total(rows),
-                     announced=announced, span=span, allocated=2 * some, tokens=flat,
-                     tokens_off=_offsets(count) if is_batch(count) else None)
+        self._reserve_and_launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end),
+                                 rows=_total(rows), announced=announced, span=span, allocated=2 * some, tokens=flat,
+                                 tokens_off=_offsets(count) if is_batch(count) else None)
 
     def _append(self, naming, slots, flat, count, end, room, interned):
         """``append`` of ``count`` tokens of ``flat`` to each cache (in order;
@@ -779,7 +781,7 @@ class CacheCalls:
         KVCache of each slot, which leaves the open set)."""
         (nb,) = self._scalars(slots, Q_NUM_BLOCKS)
         self._reserve_and_launch(None, slots, SEQ_CLOSE, (evict_first,), rows=_STOP_ROWS * _count(slots),
-                     announced=_stop_announced(nb), span=nb, closing=caches)
+                                 announced=_stop_announced(nb), span=nb, closing=caches)
 
     # -- the launch ---------------------------------------------------------------------------
     def _reserve_and_launch(self, naming, slots, op, args=(), *, segment=None, priorities=None, rows=0, announced=0,
@@ -835,8 +837,8 @@ class CacheCalls:
                     if path is not None:
                         p_part, p_off = path[path_off[i]:path_off[j]], path_off[i:j + 1] - path_off[i]
                     self._launch_part(slots[i:j], part(op), tuple(map(part, args)), _total(part(blocks)),
-                              _total(part(announced)), t_part, t_off, p_part, p_off,
-                              None if closing is None else closing[i:j])
+                                      _total(part(announced)), t_part, t_off, p_part, p_off,
+                                      None if closing is None else closing[i:j])
                 return
         self._launch_part(slots, op, args, total, total_announced, tokens, tokens_off, path, path_off, closing)
 

@@ -479,4 +479,3 @@ class Tables:
     def read_copies(self, n: int) -> np.ndarray:
         """The first ``n`` recorded page data copies, as an int64 host copy."""
         return np.array(self.backend.to_host(self.copies[:n]), dtype=np.int64)
-
