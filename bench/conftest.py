@@ -16,6 +16,7 @@ from gpukv.sim.workload import find_mooncake_trace
 
 from . import knobs
 from .matchbench import MatchWorkload, build_workload
+from .sglangmatch import SglangTree, build_sglang_tree, sglang_unavailable
 
 
 def pytest_addoption(parser):
@@ -55,3 +56,17 @@ def workload() -> MatchWorkload:
           f"{len(w.baseline.blocks)} distinct full blocks), {n_q} queries; build times (s) "
           + ", ".join(f"{k} {v:.1f}" for k, v in w.build_s.items()))
     return w
+
+
+@pytest.fixture(scope="module")
+def sglang_tree(request) -> SglangTree:
+    """SGLang's radix tree (Rust core) holding the workload's inserted
+    requests; the peer cases are skipped, saying why, without SGLang."""
+    why = sglang_unavailable()
+    if why:
+        pytest.skip(why)
+    w = request.getfixturevalue("workload")
+    tree = build_sglang_tree(w.inserted_seqs)
+    print(f"\nSGLang {tree.version} tree ({type(tree.cache.tree_core).__name__}): "
+          f"{len(w.inserted_seqs)} requests inserted in {tree.build_s:.1f} s")
+    return tree

@@ -14,6 +14,7 @@ every timed call ends with a device synchronize).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -161,7 +162,17 @@ class MatchWorkload:
             "reused_tokens": int(self.expected[:B].sum()),
             "reuse_fraction": float(self.expected[:B].sum() / max(toks, 1)),
             "full_block_reuse_fraction": float(self.expected_full[:B].sum() / max(toks, 1)),
+            **threads(),
         }
+
+
+def threads() -> dict:
+    """The thread settings of the run, and how busy the machine was."""
+    from numba import config
+
+    return {"NUMBA_NUM_THREADS": int(config.NUMBA_NUM_THREADS),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"),
+            "load_average": round(os.getloadavg()[0], 2)}
 
 
 def build_workload(path, n_ins: int, n_q: int) -> MatchWorkload:

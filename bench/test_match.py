@@ -10,11 +10,16 @@ requests right after the inserted ones) as:
 * ``registered_cold``: fresh ``TokenSequence``s, so the timed match also
   hashes every full block (creation itself is not timed);
 * ``baseline``: the plain-Python hash-chain walk (``HashChainIndex.match``);
-* ``convert``: merely turning the Python lists into one NumPy array.
+* ``convert``: merely turning the Python lists into one NumPy array;
+* ``sglang_full_device``, ``sglang_match_prefix`` (B=64 and B=1024): the
+  peer, SGLang's radix tree on its Rust core holding the same requests, each
+  query prepared in SGLang's form before timing (``sglangmatch.py``).
 
 Every gpukv case asserts its answers equal the baseline's on full blocks and
-the independently computed partial-reuse answer exactly. Nothing asserts a
-timing: ``bench/tools/report.py`` derives tokens/s and the goal ratios.
+the independently computed partial-reuse answer exactly; the SGLang cases,
+that their reuse lengths equal gpukv's flat answers in whole pages. Nothing
+asserts a timing: ``bench/tools/report.py`` derives tokens/s and the goal
+ratios.
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ import itertools
 import numpy as np
 import pytest
 
-from .matchbench import BATCHES, check_match
+from .matchbench import BATCHES, T, check_match
+from .sglangmatch import PATHS
+
+PEER_BATCHES = (64, 1024)  # the batch sizes of the SGLang cases
 
 
-def batches():
-    return [pytest.param(B, id=f"B{B}", marks=pytest.mark.benchmark(group=f"match B={B}")) for B in BATCHES]
+def batches(sizes=BATCHES):
+    return [pytest.param(B, id=f"B{B}", marks=pytest.mark.benchmark(group=f"match B={B}")) for B in sizes]
 
 
 @pytest.mark.parametrize("B", batches())
@@ -49,6 +57,21 @@ def test_gpukv_flat(benchmark, workload, B):
     benchmark.extra_info.update(w.info(B, "flat"))
     m = benchmark(w.match, (flat, offsets))
     check_match(w, B, m)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("B", batches(PEER_BATCHES))
+def test_sglang_walk(benchmark, workload, sglang_tree, B, path):
+    """SGLang's lookup of the same queries in its own tree; its reuse must be
+    gpukv's flat answer in whole pages, request by request."""
+    w = workload
+    w.require(B)
+    prepared = sglang_tree.prepare(path, w.queries[:B])  # SGLang's form, untimed
+    benchmark.extra_info.update(w.info(B, f"sglang_{path}"), **sglang_tree.info(path))
+    got = np.array(benchmark(sglang_tree.lookup(path), prepared), dtype=np.int64)
+    gpukv = np.asarray(w.match(w.flat(B, device=True)).to_host().num_tokens) // T * T
+    assert np.array_equal(got, gpukv), "SGLang's reuse differs from gpukv's flat answer in whole pages"
+    assert np.array_equal(got, w.expected_full[:B])
 
 
 @pytest.mark.parametrize("B", batches())

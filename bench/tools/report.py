@@ -12,6 +12,11 @@ Prints (as Markdown), for whichever suites the run contains:
   * flat / baseline: gpukv on ``(flat, offsets)`` vs the same (goal >= 10x);
   * lists / convert: time of gpukv on Python lists over the time of merely
     converting those lists to one NumPy array (goal <= 1.25x);
+  * flat / SGLang: gpukv on ``(flat, offsets)`` vs SGLang's radix-tree
+    lookup (its Rust tree core) on the same tree and queries, the faster of
+    its two lookups, as a throughput ratio (goal >= 4x); then a table of
+    both sides per batch size, median (min-max), with the thread settings
+    and the load average of the run;
 
 * ``test_match_sweep.py``: query tokens/s of gpukv (registered sequences) and
   of the baseline per batch size and per tree size, with the speedup;
@@ -35,7 +40,8 @@ import argparse
 import json
 import sys
 
-CASES = ("registered", "registered_cold", "flat", "lists", "baseline", "convert")
+SGLANG_CASES = ("sglang_full_device", "sglang_match_prefix")
+CASES = ("registered", "registered_cold", "flat", "lists", "baseline", "convert") + SGLANG_CASES
 LABELS = {
     "registered": "gpukv, registered TokenSequences",
     "registered_cold": "gpukv, fresh TokenSequences (hashing timed)",
@@ -43,12 +49,16 @@ LABELS = {
     "lists": "gpukv, Python lists",
     "baseline": "Python hash-chain baseline",
     "convert": "lists -> NumPy conversion only",
+    "sglang_full_device": "SGLang, Rust match_full_device_prefix",
+    "sglang_match_prefix": "SGLang, UnifiedRadixCache.match_prefix",
 }
+SGLANG = "sglang"  # in GOALS: the fastest of SGLANG_CASES at that batch size
 GOALS = (
     # (label, numerator case, denominator case, as "speedup" (den/num time) or "time ratio", goal, >= or <=)
     ("registered vs baseline (speedup)", "baseline", "registered", 20.0, ">="),
     ("flat vs baseline (speedup)", "baseline", "flat", 10.0, ">="),
     ("lists time / conversion time", "lists", "convert", 1.25, "<="),
+    ("flat vs SGLang's Rust walk (speedup)", SGLANG, "flat", 4.0, ">="),
 )
 
 
@@ -57,7 +67,7 @@ def load(path: str, stat: str) -> dict:
     ``commit``: the other suites' (time, extra_info) pairs."""
     with open(path) as f:
         data = json.load(f)
-    out, sweep, commit, evict, step, call = {}, [], [], [], [], []
+    out, sweep, commit, evict, step, call, ranges = {}, [], [], [], [], [], {}
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
         t = float(b["stats"][stat])
@@ -74,7 +84,8 @@ def load(path: str, stat: str) -> dict:
             call.append((t, info))
         elif "case" in info:
             out[(info["case"], int(info["batch"]))] = (t, info)
-    return {"results": out, "sweep": sweep, "commit": commit, "evict": evict, "step": step, "call": call,
+            ranges[(info["case"], int(info["batch"]))] = (float(b["stats"]["min"]), float(b["stats"]["max"]))
+    return {"results": out, "ranges": ranges, "sweep": sweep, "commit": commit, "evict": evict, "step": step, "call": call,
             "machine": data.get("machine_info", {}),
             "when": data.get("datetime", "")}
 
@@ -145,13 +156,61 @@ def report_match(d: dict, out):
     for label, num, den, goal, op in GOALS:
         cells = []
         for b in batches:
-            if (num, b) not in res or (den, b) not in res:
+            tn, td = _time(res, num, b), _time(res, den, b)
+            if tn is None or td is None:
                 cells.append("-")
                 continue
-            r = res[(num, b)][0] / res[(den, b)][0]
+            r = tn / td
             ok = r >= goal if op == ">=" else r <= goal
             cells.append(f"{r:.2f}x {'met' if ok else 'MISSED'}")
         print(f"| {label} | {op} {goal:g}x | " + " | ".join(cells) + " |", file=out)
+    print(file=out)
+    if any(c in SGLANG_CASES for c, _ in res):
+        report_peer(d, out)
+
+
+def _time(res: dict, case: str, b: int):
+    """The case's time at batch ``b`` (``SGLANG``: the fastest SGLang lookup), or None."""
+    if case == SGLANG:
+        times = [res[(c, b)][0] for c in SGLANG_CASES if (c, b) in res]
+        return min(times) if times else None
+    return res[(case, b)][0] if (case, b) in res else None
+
+
+def report_peer(d: dict, out):
+    """gpukv's flat match beside SGLang's lookups: per batch size, each
+    case's time per call, the statistic and the range over the rounds, and
+    gpukv's speedup over the faster SGLang lookup (its statistic over
+    gpukv's, and its best round over gpukv's best round)."""
+    res, ranges = d["results"], d["ranges"]
+    cases = ["flat"] + [c for c in SGLANG_CASES if any(k[0] == c for k in res)]
+    batches = sorted({b for c, b in res if c in SGLANG_CASES})
+    infos = [res[(c, b)][1] for c in cases for b in batches if (c, b) in res]
+    first = infos[0]
+    loads = [i["load_average"] for i in infos if "load_average" in i]
+    peer = next((i for i in infos if i.get("peer") == "sglang"), {})
+    print(f"Flat match against SGLang {peer.get('version', '?')}'s radix tree ({peer.get('tree_core', '?')}), "
+          f"time per call, median (min-max) over the rounds; NUMBA_NUM_THREADS={first.get('NUMBA_NUM_THREADS', '?')}, "
+          f"OMP_NUM_THREADS={first.get('OMP_NUM_THREADS', '?')}"
+          + (f"; load average {min(loads):.1f} to {max(loads):.1f} during the cases" if loads else "") + ":\n",
+          file=out)
+    print("| B | " + " | ".join(LABELS[c] for c in cases) + " | gpukv speedup (median) | (best rounds) |", file=out)
+    print("|---|" + "---:|" * (len(cases) + 2), file=out)
+    for b in batches:
+        cells = []
+        for c in cases:
+            if (c, b) in res:
+                lo, hi = ranges[(c, b)]
+                cells.append(f"{dur(res[(c, b)][0])} ({dur(lo)}-{dur(hi)})")
+            else:
+                cells.append("-")
+        fastest = min((c for c in SGLANG_CASES if (c, b) in res), key=lambda c: res[(c, b)][0], default=None)
+        if fastest is None or ("flat", b) not in res:
+            cells += ["-", "-"]
+        else:
+            cells.append(f"{res[(fastest, b)][0] / res[('flat', b)][0]:.2f}x vs {fastest.removeprefix('sglang_')}")
+            cells.append(f"{ranges[(fastest, b)][0] / ranges[('flat', b)][0]:.2f}x")
+        print(f"| {b} | " + " | ".join(cells) + " |", file=out)
     print(file=out)
 
 
