@@ -277,8 +277,7 @@ LANE = Layout(
         ("block", 1),  # the block being looked up (its ordinal in the request)
         ("num_full", 1),  # full blocks of the request
         ("node", 1),  # the last matched row (the parent of ``block``)
-        ("key", 1),  # ``block``'s chain key
-        ("key_ahead", 1),  # the next block's key, asked for one round ahead
+        ("key", 1),  # ``block``'s chain key, once a run broke at it
         ("row", 1),  # the bucket chain row to test next; HEAD_PENDING before the head was read
         ("count", 1),  # blocks matched so far
     ],
@@ -498,9 +497,8 @@ LN_BLOCK = 1
 LN_NUM_FULL = 2
 LN_NODE = 3
 LN_KEY = 4
-LN_KEY_AHEAD = 5
-LN_ROW = 6
-LN_COUNT = 7
+LN_ROW = 5
+LN_COUNT = 6
 
 ADD_SCOPE_ID = 0
 ADD_SCOPE_KEY = 1

@@ -1,19 +1,26 @@
 """The walk over full blocks: one lane stepper for both targets (§2.3).
 
 A lane is one request in flight (a ``LANE`` row); ``lane_step`` advances it
-by one dependent load, in exactly the chain order of ``index.find_child``.
-On ``cpu`` each thread interleaves ``LANES`` lanes (``lane_take``); on
-``cuda`` each thread steps one lane to its end (``match_one``).
+by one step: a dependent load of a key lookup (bucket head, then row and
+tokens, in exactly the chain order of ``index.find_child``), or a run. On
+``cpu`` each thread interleaves ``LANES`` lanes (``lane_take``); on ``cuda``
+each thread steps one lane to its end (``match_one``).
 
-A walk is a chain of dependent loads (bucket head, then row and tokens),
-each missing every cache in a large tree; one request at a time, the core
-mostly waits. Here each thread keeps ``LANES`` requests in flight and
-advances them round robin, one step per round: a step uses only lines
-asked for (prefetched) one round earlier, and asks for the ones it needs
-next, so the misses of all lanes overlap. A lane stops at the first full
-block that misses (or at the last full block) and ``finish`` does the rest
-on the shared path (the partial tail, the partial match, memo, backoff,
-pruning).
+Runs: a chain's blocks are mostly created one after the other, in
+consecutive rows, so the child a request needs next is usually the row after
+the last matched one. A lane checks that row first (``is_next_child``), and
+goes on row by row while they hold its blocks, prefetching ``RUN_AHEAD`` rows
+ahead: a sequential scan, with no hashing and no bucket. On the Mooncake
+trace 99% of the matched blocks are found so. Where a run breaks, the block
+is looked up by key.
+
+Key lookups: each misses every cache in a large tree, and one request at a
+time the core mostly waits. Here each thread keeps ``LANES`` requests in
+flight and advances them round robin, one step per round: a step uses only
+lines asked for (prefetched) one round earlier, so the misses of all lanes
+overlap. A lane stops at the first full block that misses (or at the last
+full block) and ``finish`` does the rest on the shared path (the partial
+tail, the partial match, memo, backoff, pruning).
 """
 
 from __future__ import annotations
@@ -23,13 +30,16 @@ import functools
 import numpy as np
 
 from ..core.layout import (
+    BLK_FLAGS,
     BLK_HASH_NEXT,
     BLK_KEY,
+    BLK_NUM_TOKENS,
+    BLK_PARENT,
+    FLAG_ATTACHED,
     HEAD_PENDING,
     LN_BLOCK,
     LN_COUNT,
     LN_KEY,
-    LN_KEY_AHEAD,
     LN_NODE,
     LN_NUM_FULL,
     LN_REQUEST,
@@ -37,13 +47,14 @@ from ..core.layout import (
     NULL,
 )
 from .link import helper
-from .index import is_child
+from .index import is_child, tokens_equal
 from .keys import combine
 from .prefetch import prefetch1, prefetch2
 from .reuse import begin, block_hash, finish
 
 
 LANES = 8  # requests in flight per thread (4 to 16 measure alike on 2 cores)
+RUN_AHEAD = 4  # rows a run asks for ahead of the one it checks
 # The counter the threads of one cpu match share: the next request to take.
 # Taking work as it goes, instead of fixed shares, keeps a thread the OS
 # pauses on a busy host from holding up the whole batch.
@@ -80,7 +91,7 @@ def fetch_add(a, i, v):
 
 @helper
 def prefetch_row(S, r):
-    """Every cache line of row ``r`` a step reads: the key..hash_next
+    """Every cache line of row ``r`` a key lookup reads: the key..hash_next
     fields and the tokens (rows do not start on cache lines)."""
     prefetch2(S.blocks, r, BLK_KEY)
     prefetch2(S.blocks, r, BLK_HASH_NEXT)
@@ -93,12 +104,23 @@ def prefetch_row(S, r):
 
 
 @helper
+def prefetch_run_row(S, r):
+    """The cache lines of row ``r`` a run reads (``is_next_child``), if the row exists."""
+    if r < S.blocks.shape[0]:
+        prefetch2(S.blocks, r, BLK_PARENT)
+        prefetch2(S.blocks, r, BLK_FLAGS)
+        T = S.tokens.shape[1]
+        k = 0
+        while k < T:
+            prefetch2(S.tokens, r, k)
+            k += 16
+        prefetch2(S.tokens, r, T - 1)
+
+
+@helper
 def prefetch_query_block(B, i, j, T):
-    """The query tokens a lane reads next round (with many lanes the
-    hardware prefetcher no longer follows the streams): block ``j + 1``,
-    hashed then, or with cached hashes block ``j``, verified then."""
-    if B.hash_off.shape[0] == 0:
-        j += 1
+    """Request ``i``'s block ``j``, if full (with many lanes the hardware
+    prefetcher no longer follows the streams)."""
     if (j + 1) * T <= B.lengths[i]:
         at = B.starts[i] + j * T
         k = 0
@@ -109,17 +131,58 @@ def prefetch_query_block(B, i, j, T):
 
 
 @helper
-def lane_key1(S, B, st, g, i, T):
-    """The key of the lane's next block (if full), and ask for its bucket
-    and for the tokens of the block after it."""
+def is_next_child(S, r, parent, toks, start, T):
+    """Is row ``r`` the attached child of ``parent`` holding exactly the full
+    block ``toks[start:start+T]``? Then it is the row ``index.find_child``
+    returns for that block: siblings never hold the same tokens, and an
+    attached row is in the child index under the key of its parent and
+    tokens. So no key is needed to check it."""
+    return (
+        r < S.blocks.shape[0]
+        and S.blocks[r, BLK_PARENT] == parent
+        and S.blocks[r, BLK_NUM_TOKENS] == T
+        and (S.blocks[r, BLK_FLAGS] & FLAG_ATTACHED) != 0
+        and tokens_equal(S, r, toks, start, T)
+    )
+
+
+@helper
+def lane_run(S, B, st, g, i, T):
+    """Lane ``g`` matched its last block: take the following blocks from the
+    rows after it while they hold them (see the module's docstring). True
+    when the request's full blocks are all matched; else the lane looks the
+    block that broke the run up by key, its bucket head asked for now."""
     j = st[g, LN_BLOCK]
-    if j + 1 < st[g, LN_NUM_FULL]:
-        hash_base = B.hash_off[i] if B.hash_off.shape[0] > 0 else -1
-        h = block_hash(B.toks, B.starts[i], B.lengths[i], B.hashes, hash_base, j + 1, T)
-        key1 = combine(st[g, LN_KEY], h)
-        st[g, LN_KEY_AHEAD] = key1
-        prefetch1(S.buckets, key1 & (S.buckets.shape[0] - 1))
-        prefetch_query_block(B, i, j + 1, T)
+    nfull = st[g, LN_NUM_FULL]
+    if j >= nfull:
+        return True
+    node = st[g, LN_NODE]
+    count = st[g, LN_COUNT]
+    start = B.starts[i]
+    at = B.path_off[i]
+    for d in range(1, RUN_AHEAD + 1):
+        prefetch_run_row(S, node + d)
+    r = node + 1
+    while is_next_child(S, r, node, B.toks, start + j * T, T):
+        B.path[at + count] = r
+        count += 1
+        node = r
+        j += 1
+        if j >= nfull:
+            break
+        r += 1
+        prefetch_run_row(S, r + RUN_AHEAD)
+    st[g, LN_BLOCK] = j
+    st[g, LN_NODE] = node
+    st[g, LN_COUNT] = count
+    if j >= nfull:
+        return True
+    hash_base = B.hash_off[i] if B.hash_off.shape[0] > 0 else -1
+    key = combine(S.blocks[node, BLK_KEY], block_hash(B.toks, start, B.lengths[i], B.hashes, hash_base, j, T))
+    st[g, LN_KEY] = key
+    st[g, LN_ROW] = HEAD_PENDING
+    prefetch1(S.buckets, key & (S.buckets.shape[0] - 1))
+    return False
 
 
 @helper
@@ -159,7 +222,7 @@ def lane_begin(S, B, st, g, i, node, count):
     st[g, LN_ROW] = HEAD_PENDING
     st[g, LN_COUNT] = count
     prefetch1(S.buckets, key & (S.buckets.shape[0] - 1))
-    prefetch_query_block(B, i, count, T)
+    prefetch_query_block(B, i, count, T)  # registered sequences' tokens were not read for the key
     return True
 
 
@@ -195,7 +258,6 @@ def lane_step(S, B, st, g):
         st[g, LN_ROW] = r
         if r != NULL:
             prefetch_row(S, r)
-        lane_key1(S, B, st, g, i, T)
         return False
     if r == NULL:
         return True  # block j is not in the tree
@@ -206,18 +268,8 @@ def lane_step(S, B, st, g):
         B.path[B.path_off[i] + count] = r
         st[g, LN_COUNT] = count + 1
         st[g, LN_NODE] = r
-        j += 1
-        st[g, LN_BLOCK] = j
-        if j >= st[g, LN_NUM_FULL]:
-            return True
-        key = st[g, LN_KEY_AHEAD]  # asked for one round ago
-        st[g, LN_KEY] = key
-        r = S.buckets[key & (S.buckets.shape[0] - 1)]
-        st[g, LN_ROW] = r
-        if r != NULL:
-            prefetch_row(S, r)
-        lane_key1(S, B, st, g, i, T)
-        return False
+        st[g, LN_BLOCK] = j + 1
+        return lane_run(S, B, st, g, i, T)
     r = S.blocks[r, BLK_HASH_NEXT]  # another key (or block) in this bucket
     st[g, LN_ROW] = r
     if r != NULL:

@@ -186,6 +186,30 @@ def test_partial_search_with_more_than_32_children(backend):
     assert m.blocks(0).tolist() == [kids[39]] and m.blocks(1).tolist() == [kids[35]]
 
 
+def test_the_row_after_a_match_is_taken_only_when_it_is_the_child(backend):
+    """The walk first tries the row after the last matched one (a chain's
+    blocks are mostly created in consecutive rows). That row must be the
+    child itself: here the row after ``a`` holds the next block's tokens
+    under another parent, and the row after ``b`` a 2-token block whose
+    row, padded with zeros, equals the next query block; the key lookup
+    (and the partial match) must decide instead."""
+    mgr = make_manager(backend, tokens_per_block=4, layers=F_ONLY)
+    p = introspect.make_test_block(mgr, B2, [4])
+    a = introspect.make_test_block(mgr, B0, [4])
+    elsewhere = introspect.make_test_block(mgr, B1, [4], parent=p)  # B1's tokens, another parent
+    b = introspect.make_test_block(mgr, B1, [4], parent=a)
+    short = introspect.make_test_block(mgr, [7, 7], [2], parent=b)  # its row holds 7, 7, 0, 0
+    x = introspect.make_test_block(mgr, B0, [4], parent=b)
+    y = introspect.make_test_block(mgr, B1, [4], parent=x)  # a run: x, then the row after it
+    assert [elsewhere.row, short.row, y.row] == [a.row + 1, b.row + 1, x.row + 1]
+    check_batch(
+        mgr,
+        [B0 + B1, B0 + B1 + [7, 7, 0, 0], B0 + B1 + B0 + B1, B2 + B1, B0 + B1 + [7, 7]],
+        expected=[8, 10, 16, 8, 10],
+        expected_rows=[rows(a, b), rows(a, b, short), rows(a, b, x, y), rows(p, elsewhere), rows(a, b, short)],
+    )
+
+
 def test_empty_lookups_and_an_empty_batch(backend):
     mgr = make_manager(backend, tokens_per_block=4, layers=F_ONLY)
     introspect.make_test_block(mgr, B0, [4])
