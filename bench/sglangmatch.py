@@ -31,6 +31,7 @@ Each side's queries are prepared in its own form before timing: the
 
 from __future__ import annotations
 
+import importlib
 import time
 from array import array
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ def sglang_unavailable() -> str | None:
     """Why SGLang's Rust tree cannot be driven here, or None."""
     try:
         import_sglang_radix_cache()
-        from sglang.srt.mem_cache.rust_tree_core import extension  # noqa: F401 - loads the Rust extension
+        importlib.import_module("sglang.srt.mem_cache.rust_tree_core.extension")  # loads the Rust extension
     except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip
         return (f"SGLang's Rust radix tree is not importable here ({type(e).__name__}: {e}); "
                 "see bench/README.md for the install")
