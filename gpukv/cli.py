@@ -223,7 +223,7 @@ def cmd_match(args) -> int:
         tokens_per_block=T, layers=[gpukv.Attention()], pages_per_life_cycle=args.pages,
         enable_partial_reuse=not args.no_partial_reuse, backend=args.backend,
     )
-    _compile_kernels(config, sys.stderr.isatty() and not args.json)
+    _compile_kernels(config, args)
     _warm_up(config, T)
     mgr = gpukv.KVCacheManager(config)
     latencies, sizes = [], []
@@ -592,6 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--pages", type=PAGES, default=1 << 20, metavar="N", help="pages per life cycle (default 1048576)")
     m.add_argument("--no-partial-reuse", action="store_true", help="reuse full blocks only, as block-granular engines do")
     m.add_argument("--json", action="store_true", help="print the summary as JSON")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.commands = sub.choices  # name -> the command's parser
     return p
 

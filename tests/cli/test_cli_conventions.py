@@ -350,6 +350,23 @@ def test_quiet_silences_the_compile_notes_and_the_progress(monkeypatch, capsys):
     assert "(1 compiled now" in quiet.out
 
 
+@pytest.mark.parametrize("flags", [[], ["--no-progress"], ["--quiet", "--json"]])
+def test_match_compiles_what_the_kernel_cache_lacks(flags, monkeypatch, capsys):
+    """``gpukv match`` on a machine that lacks a kernel compiles it first,
+    with the compile notes of every command (it once passed a bool where
+    the command's options go, and failed on a cold kernel cache)."""
+    from gpukv import compile as jobs
+    from gpukv import kernel_cache
+
+    compiled = []
+    monkeypatch.setattr(kernel_cache, "missing", lambda target: ["match"])
+    monkeypatch.setattr(jobs, "compile_kernels", lambda config, progress=None: compiled.append(config) or {})
+    assert cli.main(["match", "--limit", "3", "--pages", "4096", *flags]) == 0
+    err = capsys.readouterr().err
+    assert len(compiled) == 1 and compiled[0].tokens_per_block == 32
+    assert ("gpukv: compiling 1 of" in err) == ("--quiet" not in flags)
+
+
 def test_quiet_simulate_prints_its_summary_alone(capsys):
     assert cli.main([*TOO_SMALL_POOL, "--json", "--quiet"]) == 0
     cap = capsys.readouterr()
