@@ -103,6 +103,42 @@ class KVCacheEvent:
     layer_group_id: int | None = None  # the life-cycle id; None for the created event
 
 
+# -- makers for the event manager ---------------------------------------------
+# A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``,
+# which costs as much as the rest of what the event manager does for a stored
+# block. These make the same objects (equal, hashing alike, the same repr,
+# ``dataclasses`` functions and pickling: every field lives in the instance
+# ``__dict__``, as the constructor leaves it) by filling a new instance's
+# ``__dict__`` in one update. No class here defines ``__post_init__``, so they
+# skip nothing the constructor does.
+_new = object.__new__
+
+
+def make_stored_block(block_hash: EventHash, tokens: tuple, cache_level: int, priority: int,
+                      mm_keys: tuple) -> KVCacheStoredBlockData:
+    """``KVCacheStoredBlockData(block_hash, tokens, cache_level, priority, mm_keys)``."""
+    block = _new(KVCacheStoredBlockData)
+    block.__dict__.update(block_hash=block_hash, tokens=tokens, cache_level=cache_level, priority=priority,
+                          mm_keys=mm_keys, cache_salt=None)
+    return block
+
+
+def make_stored_data(parent_hash: EventHash | None, blocks: tuple, scope: ReuseScope | None) -> KVCacheStoredData:
+    """``KVCacheStoredData(parent_hash, blocks, scope)``."""
+    data = _new(KVCacheStoredData)
+    data.__dict__.update(parent_hash=parent_hash, blocks=blocks, scope=scope)
+    return data
+
+
+def make_event(event_id: int, data: EventData, window_size: int, hash_algo: str,
+               layer_group_id: int | None) -> KVCacheEvent:
+    """``KVCacheEvent(event_id, data, window_size, hash_algo, 0, layer_group_id)``."""
+    event = _new(KVCacheEvent)
+    event.__dict__.update(event_id=event_id, data=data, window_size=window_size, hash_algo=hash_algo,
+                          attention_dp_rank=0, layer_group_id=layer_group_id)
+    return event
+
+
 def event_block_hash(key: bytes, event_hash: str) -> EventHash:
     """A block key as events name it.
 

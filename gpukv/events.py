@@ -55,11 +55,11 @@ one to one, and the four rules above only make sense read together.
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
-from itertools import repeat
-from typing import NamedTuple
+from dataclasses import dataclass
+from itertools import accumulate, repeat
 
 import numpy as np
 
@@ -78,6 +78,9 @@ from .event_types import (
     KVCacheUpdatedData,
     UniqueToken,
     event_block_hash,
+    make_event,
+    make_stored_block,
+    make_stored_data,
 )
 from .core.layout import (
     EV_CREATED,
@@ -132,14 +135,6 @@ class LoggedBlock:
 # ---------------------------------------------------------------------------
 
 
-class _Announced(NamedTuple):
-    """A block's announcements. Immutable: a change stores a new one, so a
-    saved reference is a snapshot (``_save``)."""
-
-    block_hash: EventHash
-    life_cycles: tuple  # ascending
-
-
 _DEFAULT_SCOPE = ReuseScope()
 
 
@@ -170,11 +165,14 @@ class KVCacheEventManager:
         self.event_hash = event_hash
         self.hash_algo = HASH_ALGOS[event_hash]
         self.window_sizes = [int(w) for w in window_sizes]
+        self._window_of = dict(enumerate(self.window_sizes))  # layer group -> window size (NO_WINDOW if absent)
         self._digest_of_token = digest_of_token
         self._scope_of_root = scope_of_root
 
         self._next_event_id = 0
-        self._stored: dict[bytes, _Announced] = {}  # block key -> announcements
+        # Block key -> (event hash, the life cycles announced, ascending). A
+        # tuple, never changed in place: a saved reference is a snapshot (_save).
+        self._stored: dict[bytes, tuple] = {}
         self._removed: dict[int, list] = {}  # layer group -> buffered removed hashes
         self._pending: list[KVCacheEvent] = []  # this iteration's events
         self._latest_stored: dict[int, int] = {}  # layer group -> index in _pending
@@ -234,7 +232,8 @@ class KVCacheEventManager:
         saved = self._save(launch.keys)
         try:
             self._apply(launch)
-            self._seal_all()
+            if self._extending:
+                self._seal_all()
             progress[0] = n
         except BaseException:
             if int(progress[0]) != n:
@@ -244,12 +243,14 @@ class KVCacheEventManager:
     def _save(self, keys: list) -> tuple:
         """What applying records of blocks ``keys`` may change, cheaply: their
         announcements and scopes (references: both are replaced, never
-        changed in place), the small per-group dicts, the buffered removals by
-        length, the pending list by length and the entries a stored event may
-        extend in place, and the event id."""
-        pending = self._pending
+        changed in place; no scopes when none is recorded), the small
+        per-group dicts, the buffered removals by length, the pending list by
+        length and the entries a stored event may extend in place, and the
+        event id."""
+        pending, scope_of = self._pending, self._scope_of
         return (
-            dict(zip(keys, map(self._stored.get, keys))), dict(zip(keys, map(self._scope_of.get, keys))),
+            dict(zip(keys, map(self._stored.get, keys))),
+            dict(zip(keys, map(scope_of.get, keys))) if scope_of else None,
             self._next_event_id, dict(self._latest_stored), dict(self._dropped_tail),
             {g: (hashes, len(hashes)) for g, hashes in self._removed.items()},
             pending, len(pending), {at: pending[at] for at in self._latest_stored.values()},
@@ -260,6 +261,9 @@ class KVCacheEventManager:
         pending list and the removal lists rather than cutting them, so the
         saved ones still hold everything they held."""
         announced, scopes, next_id, latest, tail, removed, pending, n_pending, extended = saved
+        if scopes is None:
+            self._scope_of.clear()
+            scopes = {}
         for into, was in ((self._stored, announced), (self._scope_of, scopes)):
             for key, value in was.items():
                 if value is None:
@@ -285,37 +289,38 @@ class KVCacheEventManager:
         of the rules (announcements, scopes, removal buffering, chains)."""
         scope_of = self._scope_of
         fields, keys, spans = launch.fields, launch.keys, launch.spans
-        hashes, parent_keys, parent_hashes, at_roots, coverings, payloads = launch.headers
+        hashes, parent_keys, parent_hashes, at_roots, los, his = launch.headers
+        blocks, block_lcs = launch.blocks, launch.block_lcs
         i, h, n = 0, 0, len(fields)  # the record, and the stored header it is when it is one
+        rest = spans[0] if launch.store_lcs is not None else -1  # where a commit's second chain starts
         while i < n:
+            if i == rest and self._store_chains(launch, i):
+                return
             kind, lc, old_level, level = fields[i]
-            key = keys[i]
             if kind == EV_STORED_BLOCK or kind == EV_STORED_LIFE_CYCLE:
-                parent_hash = parent_hashes[h]
                 if at_roots[h]:
-                    parent_hash = None
-                    found = None if self._scope_of_root is None else self._scope_of_root(parent_keys[h])
-                    scope = None if found is None or found == _DEFAULT_SCOPE else found
+                    parent_hash, scope = None, self._root_scope(parent_keys[h])
                 else:
-                    scope = scope_of.get(parent_keys[h]) if scope_of else None
-                run = spans[i]
+                    parent_hash, scope = parent_hashes[h], scope_of.get(parent_keys[h]) if scope_of else None
+                lo, run = los[h], spans[i]
                 # Every block of a chain takes its parent's scope, so the
                 # first block's, unless that is none and a block of the chain
                 # is still recorded with one: then block by block.
                 if run > 1 and (scope is not None or not scope_of or scope_of.keys().isdisjoint(keys[i:i + run - 1])):
                     self._store_chain(keys[i:i + run], hashes[h:h + run], parent_hash, scope,
-                                      coverings[h:h + run], payloads[h:h + run])
+                                      tuple(block_lcs[lo:his[h]]), blocks[lo:his[h + run - 1]])
                     i, h = i + run, h + run
                     continue
+                key, hi = keys[i], his[h]
                 if scope is not None:
                     scope_of[key] = scope
-                covering = coverings[h]
-                if not covering:  # nothing covers the whole block: nothing to announce
+                if lo == hi:  # nothing covers the whole block: nothing to announce
                     pass
                 elif kind == EV_STORED_BLOCK:
-                    self._store_block(key, hashes[h], parent_hash, scope, covering, payloads[h])
+                    self._store_block(key, hashes[h], parent_hash, scope, tuple(block_lcs[lo:hi]), blocks[lo:hi])
                 else:
-                    self._store_life_cycle(key, hashes[h], parent_hash, scope, covering, payloads[h], lc)
+                    self._store_life_cycle(key, hashes[h], parent_hash, scope, tuple(block_lcs[lo:hi]),
+                                           blocks[lo:hi], lc)
                 h += 1
             elif kind == EV_REMOVED:
                 # One record per detached block, a run of them per subtree:
@@ -329,10 +334,68 @@ class KVCacheEventManager:
                 i += len(removing)
                 continue
             elif kind == EV_REMOVED_LIFE_CYCLE:
-                self.add_removed_life_cycle_event(key, lc)
+                self.add_removed_life_cycle_event(keys[i], lc)
             else:  # EV_UPDATED (_Launch keeps no other kind)
-                self.add_updated_event(key, cache_level=Diff(old_level, level), priority=None, layer_group_id=lc)
+                self.add_updated_event(keys[i], cache_level=Diff(old_level, level), priority=None, layer_group_id=lc)
             i += 1
+
+    def _store_chains(self, launch: "_Launch", first: int) -> bool:
+        """The rest of a launch of whole-block stores covered in the same life
+        cycles (``store_lcs``: the usual commit), from record ``first`` (the
+        second chain) on, at once. With nothing buffered for removal (the
+        first chain's event flushed it) and no event to drop (``_trim``),
+        each of these chains is a new stored event per life cycle: it does
+        not continue the chain before it (``_Launch`` would have joined
+        them; their hashes differ, checked for the 64-bit ones), and nothing
+        else is there to flush or to continue. So the events are made here
+        in one pass, as ``_store_chain`` makes them, scopes included.
+        Returns False, having changed nothing, when that does not hold, or
+        when a chain without a scope holds blocks still recorded with one
+        (``_apply`` takes such a chain block by block)."""
+        lcs, k = launch.store_lcs, len(launch.store_lcs)
+        hashes, parent_keys, parent_hashes, at_roots, _, _ = launch.headers
+        keys, spans, n = launch.keys, launch.spans, len(launch.keys)
+        starts, i = [], first  # where each chain starts (a stored header's index is its record's)
+        while i < n:
+            starts.append(i)
+            i += spans[i]
+        if (self._removed or len(self._pending) + k * len(starts) >= 2 * self.max_entries + 16
+                or self.event_hash == "sha256_64" and any(parent_hashes[a] == hashes[a - 1] for a in starts)):
+            return False
+        ends = starts[1:] + [n]
+        scope_of, added, scopes = self._scope_of, {}, []  # added: the scopes these chains record
+        for a, b in zip(starts, ends):
+            if at_roots[a]:
+                scope = self._root_scope(parent_keys[a])
+            else:
+                scope = added.get(parent_keys[a]) or scope_of.get(parent_keys[a]) if scope_of or added else None
+            if scope is not None:
+                added.update(dict.fromkeys(keys[a:b], scope))
+            elif b - a > 1 and (scope_of or added) and not (scope_of.keys().isdisjoint(keys[a:b - 1])
+                                                            and added.keys().isdisjoint(keys[a:b - 1])):
+                return False
+            scopes.append(scope)
+        for lc in lcs:
+            self._end_chain(lc)
+        self._stored.update(zip(keys[first:], zip(hashes[first:], repeat(lcs))))
+        if added:
+            scope_of.update(added)
+        blocks = launch.blocks
+        data = [make_stored_data(None if at_roots[a] else parent_hashes[a], tuple(blocks[a * k + j : b * k : k]), scope)
+                for a, b, scope in zip(starts, ends, scopes) for j in range(k)]
+        windows = [self._window_of.get(lc, NO_WINDOW) for lc in lcs]
+        pending, next_id = self._pending, self._next_event_id
+        pending.extend(map(make_event, range(next_id, next_id + len(data)), data, windows * len(starts),
+                           repeat(self.hash_algo), lcs * len(starts)))
+        self._next_event_id = next_id + len(data)
+        for j, lc in enumerate(lcs):
+            self._latest_stored[lc] = len(pending) - k + j
+        return True
+
+    def _root_scope(self, root_key: bytes) -> ReuseScope | None:
+        """The scope of the blocks under a root: None for the default scope."""
+        found = None if self._scope_of_root is None else self._scope_of_root(root_key)
+        return None if found is None or found == _DEFAULT_SCOPE else found
 
     def flush_iteration_events(self) -> None:
         """End the iteration: flush the buffered removals and move every pending
@@ -398,6 +461,11 @@ class KVCacheEventManager:
         if self.enabled:
             self._clear_marks.append(self._next_event_id)
 
+    def announced(self) -> set:
+        """``{(event block hash, life cycle)}``: what has been announced and
+        not removed."""
+        return {(block_hash, lc) for block_hash, lcs in self._stored.values() for lc in lcs}
+
     def take_clear_marks(self) -> list[int]:
         """Drain the clear marks, oldest first (the newest ``max_entries`` are kept)."""
         marks = list(self._clear_marks)
@@ -411,8 +479,9 @@ class KVCacheEventManager:
         any earlier ones of the block. Nothing when no page covers it."""
         covering = _covering_pages(block)
         if covering:
-            self._store_block(block.key, self._hash(block.key), self._parent_hash(block), block.scope,
-                              covering, _payload(block.tokens, _UNIQUE_TOKENS))
+            block_hash = self._hash(block.key)
+            self._store_block(block.key, block_hash, self._parent_hash(block), block.scope,
+                              tuple(page[0] for page in covering), _blocks_of(block_hash, block, covering))
             self._seal_all()
 
     def add_stored_life_cycle_event_from_block(self, block: LoggedBlock, life_cycle: int) -> None:
@@ -421,20 +490,27 @@ class KVCacheEventManager:
         path instead."""
         covering = _covering_pages(block)
         if covering:
-            self._store_life_cycle(block.key, self._hash(block.key), self._parent_hash(block), block.scope,
-                                   covering, _payload(block.tokens, _UNIQUE_TOKENS), life_cycle)
+            block_hash = self._hash(block.key)
+            self._store_life_cycle(block.key, block_hash, self._parent_hash(block), block.scope,
+                                   tuple(page[0] for page in covering), _blocks_of(block_hash, block, covering), life_cycle)
             self._seal_all()
 
     def add_removed_event(self, keys: Iterable[bytes]) -> None:
         """Blocks left the tree: a removed entry per announced life cycle.
         Unknown keys, and keys already removed, are ignored."""
+        announced = [state for state in map(self._stored.pop, keys, repeat(None)) if state is not None]
+        if not announced:
+            return
+        life_cycles = {state[1] for state in announced}
+        if len(life_cycles) == 1:  # the usual run: every block announced in the same life cycles
+            hashes = [state[0] for state in announced]
+            for lc in life_cycles.pop():
+                self._enqueue_removed(hashes, lc)
+            return
         by_group: dict[int, list] = {}
-        for key in keys:
-            state = self._stored.pop(key, None)
-            if state is None:
-                continue
-            for lc in state.life_cycles:
-                by_group.setdefault(lc, []).append(state.block_hash)
+        for block_hash, lcs in announced:
+            for lc in lcs:
+                by_group.setdefault(lc, []).append(block_hash)
         for lc in sorted(by_group):
             self._enqueue_removed(by_group[lc], lc)
 
@@ -443,14 +519,14 @@ class KVCacheEventManager:
         if it was announced. Removing the last announced life cycle forgets the
         block, so a later store announces it from scratch."""
         state = self._stored.get(key)
-        if state is None or life_cycle not in state.life_cycles:
+        if state is None or life_cycle not in state[1]:
             return
-        rest = tuple(lc for lc in state.life_cycles if lc != life_cycle)
+        rest = tuple(lc for lc in state[1] if lc != life_cycle)
         if rest:
-            self._stored[key] = _Announced(state.block_hash, rest)
+            self._stored[key] = (state[0], rest)
         else:
             del self._stored[key]
-        self._enqueue_removed([state.block_hash], life_cycle)
+        self._enqueue_removed([state[0]], life_cycle)
 
     def add_updated_event(
         self,
@@ -466,72 +542,54 @@ class KVCacheEventManager:
         state = self._stored.get(key)
         if state is None:
             return
-        self._add_event(KVCacheUpdatedData(state.block_hash, cache_level, priority), layer_group_id)
+        self._add_event(KVCacheUpdatedData(state[0], cache_level, priority), layer_group_id)
 
     # -- the two stored paths, on a decoded block ----------------------------------
-    # ``covering`` lists ``(life cycle, level, priority)`` of the block's pages
-    # that cover it whole, ascending (never empty); ``payload`` is its
-    # ``(tokens, mm_keys)`` as stored events carry them (``_payload``).
-    def _store_block(self, key: bytes, block_hash, parent_hash, scope, covering, payload) -> None:
-        self._stored[key] = _Announced(block_hash, tuple([page[0] for page in covering]))
-        tokens, mm_keys = payload
-        for lc, level, priority in covering:
-            data = KVCacheStoredBlockData(block_hash, tokens, level, priority, mm_keys)
-            self._add_stored_event(parent_hash, (data,), lc, scope)
+    # ``lcs`` lists the life cycles whose pages cover the block whole,
+    # ascending (never empty), and ``blocks`` the KVCacheStoredBlockData of
+    # each, with its page's level and priority.
+    def _store_block(self, key: bytes, block_hash, parent_hash, scope, lcs: tuple, blocks) -> None:
+        self._stored[key] = (block_hash, lcs)
+        for lc, block in zip(lcs, blocks):
+            self._add_stored_event(parent_hash, (block,), lc, scope)
 
-    def _store_chain(self, keys: list, block_hashes: list, parent_hash, scope, coverings: list, payloads: list) -> None:
+    def _store_chain(self, keys: list, block_hashes: list, parent_hash, scope, lcs: tuple, blocks: list) -> None:
         """``_store_block`` of each block of a chain (each the parent of the
-        next, all whole-block stores covered in the same life cycles), in
-        one pass per life cycle. The same events: after its first block, a
-        chain only extends each group's latest stored event, which makes no
-        event, so the blocks of a group may go in together."""
-        life_cycles = tuple([page[0] for page in coverings[0]])
-        self._stored.update(zip(keys, [_Announced(block_hash, life_cycles) for block_hash in block_hashes]))
+        next, all whole-block stores covered in the same life cycles
+        ``lcs``; ``blocks`` lists each block's, by block then life cycle),
+        in one pass per life cycle. The same events: after its first block,
+        a chain only extends each group's latest stored event, which makes
+        no event, so the blocks of a group may go in together."""
+        self._stored.update(zip(keys, zip(block_hashes, repeat(lcs))))
         if scope is not None:
             self._scope_of.update(dict.fromkeys(keys, scope))
-        tokens, mm_keys = zip(*payloads)
-        for j, lc in enumerate(life_cycles):
-            pages = [covering[j] for covering in coverings]
-            blocks = tuple(map(KVCacheStoredBlockData, block_hashes, tokens, [page[1] for page in pages],
-                               [page[2] for page in pages], mm_keys))
-            self._add_stored_event(parent_hash, blocks, lc, scope)
+        k = len(lcs)
+        for j, lc in enumerate(lcs):
+            self._add_stored_event(parent_hash, tuple(blocks[j::k]), lc, scope)
 
-    def _store_life_cycle(self, key: bytes, block_hash, parent_hash, scope, covering, payload, life_cycle) -> None:
+    def _store_life_cycle(self, key: bytes, block_hash, parent_hash, scope, lcs: tuple, blocks, life_cycle) -> None:
         state = self._stored.get(key)
         if state is None:
-            self._store_block(key, block_hash, parent_hash, scope, covering, payload)
+            self._store_block(key, block_hash, parent_hash, scope, lcs, blocks)
             return
-        if life_cycle in state.life_cycles:
+        if life_cycle in state[1] or life_cycle not in lcs:  # announced already, or its page does not cover the block
             return
-        for lc, level, priority in covering:
-            if lc == life_cycle:
-                break
-        else:  # its page does not cover the block
-            return
-        self._stored[key] = _Announced(state.block_hash, tuple(sorted(state.life_cycles + (life_cycle,))))
-        tokens, mm_keys = payload
-        data = KVCacheStoredBlockData(state.block_hash, tokens, level, priority, mm_keys)
-        self._add_stored_event(parent_hash, (data,), life_cycle, scope)
+        self._stored[key] = (state[0], tuple(sorted(state[1] + (life_cycle,))))
+        self._add_stored_event(parent_hash, (blocks[lcs.index(life_cycle)],), life_cycle, scope)
 
     # -- batching and ordering ---------------------------------------------------
     def _add_event(self, data: EventData, group: int | None) -> int:
         """Append an event to this iteration's list; returns its index there."""
-        if not isinstance(data, KVCacheRemovedData):
+        if self._removed and not isinstance(data, KVCacheRemovedData):
             # Removals that happened before this event must be seen before it.
             self._flush_all_removed()
         if not isinstance(data, KVCacheStoredData):
             self._end_chain(group)
-        event = KVCacheEvent(
-            event_id=self._next_event_id,
-            data=data,
-            window_size=self._window_size(group),
-            hash_algo=self.hash_algo,
-            attention_dp_rank=0,
-            layer_group_id=group,
-        )
+        pending = self._pending
+        pending.append(make_event(self._next_event_id, data, self._window_of.get(group, NO_WINDOW), self.hash_algo,
+                                  group))
         self._next_event_id += 1
-        self._pending.append(event)
-        if len(self._pending) >= 2 * self.max_entries + 16:
+        if len(pending) >= 2 * self.max_entries + 16:
             self._trim()
         return len(self._pending) - 1
 
@@ -576,13 +634,15 @@ class KVCacheEventManager:
         self._end_chain(group)
         # Not a continuation: a new event (which flushes the other groups'
         # removals, ascending, before it).
-        self._latest_stored[group] = self._add_event(KVCacheStoredData(parent_hash, blocks, scope), group)
+        self._latest_stored[group] = self._add_event(make_stored_data(parent_hash, blocks, scope), group)
 
     def _end_chain(self, group: int | None) -> None:
         """The group's latest stored event takes no more blocks."""
-        self._seal(group)
+        if self._extending:
+            self._seal(group)
         self._latest_stored.pop(group, None)
-        self._dropped_tail.pop(group, None)
+        if self._dropped_tail:
+            self._dropped_tail.pop(group, None)
 
     def _seal(self, group: int | None) -> None:
         """Write the blocks waiting in ``_extending`` into the group's latest
@@ -591,7 +651,8 @@ class KVCacheEventManager:
         if blocks:
             at = self._latest_stored[group]
             event = self._pending[at]
-            self._pending[at] = replace(event, data=replace(event.data, blocks=event.data.blocks + tuple(blocks)))
+            data = make_stored_data(event.data.parent_hash, event.data.blocks + tuple(blocks), event.data.scope)
+            self._pending[at] = make_event(event.event_id, data, event.window_size, event.hash_algo, group)
         self._extending.pop(group, None)
 
     def _seal_all(self) -> None:
@@ -614,11 +675,6 @@ class KVCacheEventManager:
                 self._flush_removed(group)
 
     # -- helpers -----------------------------------------------------------------
-    def _window_size(self, group: int | None) -> int:
-        if group is not None and 0 <= group < len(self.window_sizes):
-            return self.window_sizes[group]
-        return NO_WINDOW
-
     def _hash(self, key: bytes) -> EventHash:
         return event_block_hash(key, self.event_hash)
 
@@ -630,6 +686,12 @@ def _covering_pages(block: LoggedBlock) -> list:
     """``(life cycle, level, priority)`` of the pages of ``block`` that cover it
     whole, ascending."""
     return [(lc, page.level, page.priority) for lc, page in sorted(block.pages.items()) if page.covers]
+
+
+def _blocks_of(block_hash: EventHash, block: LoggedBlock, covering: list) -> list:
+    """The stored block data of each covering page of ``block``."""
+    tokens, mm_keys = _payload(block.tokens, _UNIQUE_TOKENS)
+    return [make_stored_block(block_hash, tokens, level, priority, mm_keys) for _, level, priority in covering]
 
 
 # Token ids below this are kept in _UniqueTokens' table (one pointer each, so at
@@ -656,16 +718,15 @@ class _UniqueTokens:
         self._table = (np.empty(0, dtype=object), np.zeros(0, dtype=bool))  # (tokens, made), by id
         self._other: dict = {}
 
-    def rows(self, ids: np.ndarray) -> list:
-        """The UniqueToken lists of the rows of ``ids`` (2-D, every id in
-        [0, _TABLE_TOKENS_MAX))."""
-        tokens, made = self._grown(int(ids.max()) + 1)
-        missing = ~made[ids]
-        if missing.any():
-            new = np.unique(ids[missing])
+    def rows(self, ids: np.ndarray, top: int | None = None) -> list:
+        """The UniqueToken tuples of the rows of ``ids`` (2-D, every id in
+        [0, _TABLE_TOKENS_MAX); ``top``: their maximum, when known)."""
+        tokens, made = self._grown((int(ids.max()) if top is None else top) + 1)
+        if not made.take(ids).all():
+            new = np.unique(ids[~made.take(ids)])
             tokens[new] = [UniqueToken(t) for t in new.tolist()]
             made[new] = True
-        return tokens[ids].tolist()
+        return list(map(tuple, tokens.take(ids).tolist()))
 
     def of(self, tokens) -> tuple:
         """The UniqueTokens of one token list (ints and 32-byte digests)."""
@@ -712,26 +773,49 @@ _KIND_ROLE[[EV_CREATED, EV_ROOT_REMOVED]] = _SKIP  # tree bookkeeping
 _KIND_ROLE[EV_PAGE_INFO] = _INFO
 _KIND_ROLE[[EV_REMOVED, EV_REMOVED_LIFE_CYCLE, EV_UPDATED]] = _EVENT
 _KIND_ROLE[[EV_STORED_BLOCK, EV_STORED_LIFE_CYCLE]] = _HEADER
+_ROLE_OF = {kind: role for kind, role in enumerate(_KIND_ROLE.tolist()) if role != _UNKNOWN}
+
+_FIELDS = [LOG_KIND, LOG_LIFE_CYCLE, LOG_OLD_LEVEL, LOG_LEVEL]  # what _apply reads of a record
+_PAGE = [LOG_LIFE_CYCLE, LOG_LEVEL, LOG_PRIORITY]  # what a stored block takes of its page info
+_KEY = struct.Struct("<4q").pack  # a digest's int64x4 as its 32 bytes (int64x4_to_digest's byte order)
+
+# Below this many records a launch is decoded record by record (_Launch._rows):
+# a few Python operations per record then cost less than the fixed cost of the
+# array operations (about 60 of them, whatever the launch's size).
+_ROWS_MAX = 64
 
 
 class _Launch:
-    """One launch's change log, decoded with array operations instead of per
-    record. ``fields``, ``keys`` and ``spans``: for each record that can make
-    an event, in log order, its ``[kind, life cycle, old level, level]``,
-    its block key, and how many records from it on go in together (a chain
-    of stores it starts, ``_continues_chain``, or a run of removals it starts;
-    else 1; only a run's first record is read). ``headers``: columns with a
-    row per stored header, in log order: block hash, parent key, parent
-    hash, whether the parent is a root, the covering pages, the payload.
-    Nothing here is event state (the token objects are shared, safely), so
-    an interrupt while building it changes nothing. Malformed records raise
-    ValueError here, before the event manager applies any."""
+    """One launch's change log, decoded. ``fields``, ``keys`` and ``spans``:
+    for each record that can make an event, in log order, its ``[kind, life
+    cycle, old level, level]``, its block key, and how many records from it
+    on go in together (a chain of stores it starts, ``_continues_chain``, or
+    a run of removals it starts; else 1; only a run's first record is read).
+    ``headers``: columns with a row per stored header, in log order: block
+    hash, parent key, parent hash, whether the parent is a root, and where
+    its covering pages start and end in ``blocks`` and ``block_lcs``: the
+    KVCacheStoredBlockData each covering page announces (the header's hash
+    and payload, the page's level and priority) and the page's life cycle,
+    by header, then life cycle ascending. Nothing here is event state (the
+    token objects are shared, safely), so an interrupt while building it
+    changes nothing. Malformed records raise ValueError here, before the
+    event manager applies any. ``store_lcs``: when every record that makes
+    an event is a whole-block store (EV_STORED_BLOCK) and the same life
+    cycles cover each one, those life cycles (a tuple), else None.
 
-    __slots__ = ("fields", "keys", "spans", "headers")
+    A launch's records are decoded with array operations (``_arrays``), a
+    few operations for all records alike; a launch of few records record by
+    record (``_rows``), to the same columns."""
+
+    __slots__ = ("fields", "keys", "spans", "headers", "blocks", "block_lcs", "store_lcs")
 
     def __init__(self, records: np.ndarray, log_tokens: np.ndarray, event_hash: str,
                  digest_of_token: Callable[[int], bytes], unique: _UniqueTokens, first: int = 0):
         records = records.reshape(-1, LOG.width)
+        decode = self._rows if len(records) < _ROWS_MAX else self._arrays
+        decode(records, log_tokens, event_hash, digest_of_token, unique, first)
+
+    def _arrays(self, records, log_tokens, event_hash, digest_of_token, unique, first) -> None:
         kinds = records[:, LOG_KIND]
         role = _KIND_ROLE.take(kinds, mode="clip")
         is_info = role == _INFO
@@ -746,7 +830,7 @@ class _Launch:
             raise ValueError(f"log record {first + i}: a page info record without a stored header")
 
         rows = records[role >= _EVENT]
-        self.fields = rows[:, [LOG_KIND, LOG_LIFE_CYCLE, LOG_OLD_LEVEL, LOG_LEVEL]].tolist()
+        self.fields = rows[:, _FIELDS].tolist()
         self.keys = _keys(rows, LOG_DIGEST)
         removal = rows[:, LOG_KIND] == EV_REMOVED
         removal[1:] &= removal[:-1]  # a removal joins the one before it
@@ -756,29 +840,130 @@ class _Launch:
         headers = (role == _HEADER).nonzero()[0]
         if not headers.size:
             self.spans = spans.tolist()
-            self.headers = ((),) * 6
+            self.headers, self.blocks, self.block_lcs, self.store_lcs = ((),) * 6, [], [], None
             return
         h = records[headers]
-        # Covering page infos, grouped by header (they follow it, ascending).
+        # Covering page infos (they follow their header, ascending), and the
+        # header each belongs to, as its index among the headers.
         covers = (is_info & (records[:, LOG_COVERS] != 0)).nonzero()[0]
-        pages = records[covers][:, [LOG_LIFE_CYCLE, LOG_LEVEL, LOG_PRIORITY]].tolist()
-        covering_owner = owner[covers]
-        lo, hi = covering_owner.searchsorted(headers, "left"), covering_owner.searchsorted(headers, "right")
-        covering = [pages[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
-        payloads = _payloads(h, (hi > lo).nonzero()[0], log_tokens, digest_of_token, unique)
+        cover_of = headers.searchsorted(owner[covers])
+        bounds = cover_of.searchsorted(np.arange(len(headers) + 1))
+        lcs, levels, priorities = records[covers][:, _PAGE].T.tolist()
         keys, parent_keys = _keys(h, LOG_DIGEST), _keys(h, LOG_PARENT_DIGEST)
+        hashes = _hashes(h, LOG_DIGEST, event_hash, keys)
         if len(headers) > 1:  # a chain of stores to find
             # The life cycles that cover each header, as bits (a config has few).
-            covered = np.bincount(headers.searchsorted(covering_owner), weights=np.exp2(records[covers, LOG_LIFE_CYCLE]),
-                                  minlength=len(headers))
+            covered = np.bincount(cover_of, weights=np.exp2(records[covers, LOG_LIFE_CYCLE]), minlength=len(headers))
             position = np.cumsum(role >= _EVENT)[headers] - 1  # among the records that make events
             continues = _continues_chain(h, position, covered)
             if continues.any():
                 spans[position] = _runs(continues)
         self.spans = spans.tolist()
-        self.headers = (_hashes(h, LOG_DIGEST, event_hash, keys), parent_keys,
-                        _hashes(h, LOG_PARENT_DIGEST, event_hash, parent_keys),
-                        h[:, LOG_PARENT_IS_ROOT].tolist(), covering, payloads)
+        self.headers = (hashes, parent_keys, _hashes(h, LOG_PARENT_DIGEST, event_hash, parent_keys),
+                        h[:, LOG_PARENT_IS_ROOT].tolist(), bounds[:-1].tolist(), bounds[1:].tolist())
+        self.block_lcs = lcs
+        self.store_lcs = None
+        if not covers.size:
+            self.blocks = []
+            return
+        each = bounds[1:] - bounds[:-1]  # covering pages per header
+        k = int(each[0])
+        if (k and len(headers) == len(rows) and (h[:, LOG_KIND] == EV_STORED_BLOCK).all() and each.min() == each.max()
+                and (lcs == lcs[:k] * len(headers))):
+            self.store_lcs = tuple(lcs[:k])
+        # Payloads only for the headers with a covering page: the others
+        # announce nothing. Usually that is every header, with one page each.
+        wanted = None if len(covers) == len(headers) and each.all() else each.nonzero()[0]
+        at, counts = (h[:, LOG_TOKENS_AT], h[:, LOG_NUM_TOKENS]) if wanted is None else \
+            (h[wanted, LOG_TOKENS_AT], h[wanted, LOG_NUM_TOKENS])
+        tokens, mm_keys = _payloads(at, counts, log_tokens, digest_of_token, unique)
+        self.blocks = _stored_blocks(hashes, None if wanted is None else wanted.tolist(), tokens, mm_keys,
+                                     cover_of.tolist(), levels, priorities)
+
+    def _rows(self, records, log_tokens, event_hash, digest_of_token, unique, first) -> None:
+        fields, keys, spans = [], [], []
+        heads, head_at = [], []  # the stored headers' records, and their indices in fields
+        covers = []  # per covering page info: (its header's index in heads, life cycle, level, priority)
+        owner = _UNKNOWN  # the role of the last record that is no page info
+        run = 0  # where in fields the last run of removals starts
+        for i, r in enumerate(records.tolist()):
+            kind = r[LOG_KIND]
+            role = _ROLE_OF.get(kind, _UNKNOWN)
+            if role == _INFO:
+                if owner != _HEADER:
+                    raise ValueError(f"log record {first + i}: a page info record without a stored header")
+                if r[LOG_COVERS]:
+                    covers.append((len(heads) - 1, r[LOG_LIFE_CYCLE], r[LOG_LEVEL], r[LOG_PRIORITY]))
+                continue
+            if role == _UNKNOWN:
+                raise ValueError(f"log record {first + i}: unknown kind {kind}")
+            owner = role
+            if role == _SKIP:
+                continue
+            if kind == EV_REMOVED:
+                if fields and fields[-1][0] == EV_REMOVED:
+                    spans[run] += 1  # a removal joins the one before it
+                else:
+                    run = len(fields)
+            elif role == _HEADER:
+                heads.append(r)
+                head_at.append(len(fields))
+            spans.append(1)
+            fields.append([kind, r[LOG_LIFE_CYCLE], r[LOG_OLD_LEVEL], r[LOG_LEVEL]])
+            keys.append(_KEY(*r[LOG_DIGEST : LOG_DIGEST + 4]))
+        self.fields, self.keys, self.spans = fields, keys, spans
+        if not heads:
+            self.headers, self.blocks, self.block_lcs, self.store_lcs = ((),) * 6, [], [], None
+            return
+        counts = [0] * len(heads)
+        for c in covers:
+            counts[c[0]] += 1
+        his = list(accumulate(counts))
+        los = [hi - n for hi, n in zip(his, counts)]
+        head_keys = [keys[at] for at in head_at]
+        parent_keys = [_KEY(*r[LOG_PARENT_DIGEST : LOG_PARENT_DIGEST + 4]) for r in heads]
+        at_roots = [r[LOG_PARENT_IS_ROOT] for r in heads]
+        lcs = [c[1] for c in covers]
+        chain = 0  # the header the current chain starts at
+        for j in range(1, len(heads)):
+            if (heads[j][LOG_KIND] == EV_STORED_BLOCK == heads[j - 1][LOG_KIND] and head_at[j] == head_at[j - 1] + 1
+                    and counts[j] and lcs[los[j]:his[j]] == lcs[los[j - 1]:his[j - 1]]
+                    and not at_roots[j] and parent_keys[j] == head_keys[j - 1]):
+                spans[head_at[chain]] += 1
+            else:
+                chain = j
+        hashes = [event_block_hash(key, event_hash) for key in head_keys]
+        self.headers = (hashes, parent_keys, [event_block_hash(key, event_hash) for key in parent_keys],
+                        at_roots, los, his)
+        self.block_lcs = lcs
+        self.store_lcs = None
+        k = counts[0]
+        if (k and len(heads) == len(fields) and counts.count(k) == len(heads)
+                and all(r[LOG_KIND] == EV_STORED_BLOCK for r in heads) and lcs == lcs[:k] * len(heads)):
+            self.store_lcs = tuple(lcs[:k])
+        if not covers:
+            self.blocks = []
+            return
+        wanted = [j for j, n in enumerate(counts) if n]
+        tokens, mm_keys = _payloads(np.array([heads[j][LOG_TOKENS_AT] for j in wanted]),
+                                    np.array([heads[j][LOG_NUM_TOKENS] for j in wanted]),
+                                    log_tokens, digest_of_token, unique)
+        self.blocks = _stored_blocks(hashes, wanted if len(wanted) < len(heads) else None, tokens, mm_keys,
+                                     [c[0] for c in covers], [c[2] for c in covers], [c[3] for c in covers])
+
+
+def _stored_blocks(hashes: list, wanted: list | None, tokens: list, mm_keys: list, cover_of: list,
+                   levels: list, priorities: list) -> list:
+    """The KVCacheStoredBlockData of each covering page: its header's hash
+    and payload, its own level and priority. ``cover_of``: each page's
+    header; ``tokens`` and ``mm_keys``: the payloads of the headers
+    ``wanted`` (all of them when None)."""
+    if wanted is not None:  # payloads by header
+        tokens, mm_keys = dict(zip(wanted, tokens)), dict(zip(wanted, mm_keys))
+    if len(cover_of) == len(hashes) and wanted is None:  # a page per header, in order
+        return list(map(make_stored_block, hashes, tokens, levels, priorities, mm_keys))
+    return list(map(make_stored_block, [hashes[j] for j in cover_of], [tokens[j] for j in cover_of], levels,
+                    priorities, [mm_keys[j] for j in cover_of]))
 
 
 def _continues_chain(headers: np.ndarray, position: np.ndarray, covered: np.ndarray) -> np.ndarray:
@@ -824,33 +1009,31 @@ def _hashes(rows: np.ndarray, col: int, event_hash: str, keys: list) -> list:
     return list(map(bytes.hex, keys))
 
 
-def _payloads(headers: np.ndarray, wanted: np.ndarray, log_tokens: np.ndarray, digest_of_token,
-              unique: _UniqueTokens) -> list:
-    """The payload (``_payload``) of each header in ``wanted`` (those with a
-    covering page: the others announce nothing, and get None): the rows of
+def _payloads(at: np.ndarray, counts: np.ndarray, log_tokens: np.ndarray, digest_of_token,
+              unique: _UniqueTokens) -> tuple:
+    """``(tokens, mm_keys)``: the payloads (``_payload``) of the blocks whose
+    token rows are ``log_tokens[at]``, of ``counts`` tokens each: the rows of
     plain token ids in one gather, the multimodal ones (negative ids stand
     for interned digests) and any other token by token."""
-    if not wanted.size:
-        return [None] * len(headers)
-    rows = np.asarray(log_tokens)[headers[wanted, LOG_TOKENS_AT]]
-    counts = headers[wanted, LOG_NUM_TOKENS]
+    rows = np.asarray(log_tokens)[at]
     width = rows.shape[1]
     full = int(counts.min()) >= width
     if not full:  # the tokens past a block's count are not its own: read as 0
         rows = np.where(np.arange(width) < counts[:, None], rows, 0)
+    top = int(rows.max())
+    if full and top < _TABLE_TOKENS_MAX and rows.min() >= 0:  # the usual launch: one gather, nothing to cut
+        return unique.rows(rows, top), [()] * len(rows)
+    tokens, mm_keys = [None] * len(rows), [()] * len(rows)
     plain = ((rows >= 0) & (rows < _TABLE_TOKENS_MAX)).all(axis=1)
-    if full and len(wanted) == len(headers) and plain.all():  # the usual launch: one gather, nothing to cut
-        return list(zip(map(tuple, unique.rows(rows)), repeat(())))
-    out = [None] * len(headers)
     if plain.any():
-        for j, row, n in zip(wanted[plain].tolist(), unique.rows(rows[plain]), counts[plain].tolist()):
-            out[j] = (tuple(row[:n]), ())
+        for j, row, n in zip(plain.nonzero()[0].tolist(), unique.rows(rows[plain]), counts[plain].tolist()):
+            tokens[j] = row[:n]
     if not plain.all():
         digests: dict[int, bytes] = {}  # negative token id -> digest, once per launch
-        for j, row, n in zip(wanted[~plain].tolist(), rows[~plain].tolist(), counts[~plain].tolist()):
-            tokens = row[:n]
-            for t in tokens:
+        for j, row, n in zip((~plain).nonzero()[0].tolist(), rows[~plain].tolist(), counts[~plain].tolist()):
+            tokens_of = row[:n]
+            for t in tokens_of:
                 if t < 0 and t not in digests:
                     digests[t] = bytes(digest_of_token(t))
-            out[j] = _payload([digests[t] if t < 0 else t for t in tokens], unique)
-    return out
+            tokens[j], mm_keys[j] = _payload([digests[t] if t < 0 else t for t in tokens_of], unique)
+    return tokens, mm_keys

@@ -659,7 +659,7 @@ def announced(mgr) -> set:
     em = mgr._events
     if em is None:
         return set()
-    return {(s.block_hash, lc) for s in em._stored.values() for lc in s.life_cycles}
+    return em.announced()
 
 
 # -- the manager -------------------------------------------------------------------------------

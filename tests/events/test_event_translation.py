@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -55,7 +56,8 @@ from gpukv.event_types import (
     UniqueToken,
     event_block_hash,
 )
-from gpukv.events import KVCacheEventManager
+from gpukv import events
+from gpukv.events import _UNIQUE_TOKENS, KVCacheEventManager, _Launch
 
 T = 4  # tokens per block
 LIFE_CYCLES = 3
@@ -405,3 +407,139 @@ def test_malformed_records_are_rejected_before_any_applies():
         em.on_records(info_first, tokens)
     em.flush_iteration_events()
     assert em.get_latest_events() == []
+
+
+# ---------------------------------------------------------------------------
+# the two decoders, and the launch of whole-block stores in one pass
+# ---------------------------------------------------------------------------
+
+
+def commits(log: RandomLog, chains: int):
+    """A launch as a batched commit writes it: chains of whole-block stores,
+    each block covered in the same life cycles, a chain under a root, under a
+    known block or under the chain before it, with the kernel's bookkeeping
+    records among them."""
+    rng = log.rng
+    pages = [(lc, 1) for lc in range(LIFE_CYCLES) if rng.random() < 0.6] or [(0, 1)]
+    for _ in range(chains):
+        at = rng.random()
+        if at < 0.3 or not log.blocks:
+            parent = (log.roots[int(rng.integers(len(log.roots)))], 1)
+        elif at < 0.7:
+            parent = (log.known(), 0)
+        else:
+            parent = (log.blocks[-1][0], 0)
+        for _ in range(int(rng.integers(1, 5))):
+            block = (rng.integers(-2**63, 2**63 - 1, 4, dtype=np.int64), *parent)
+            log.blocks.append(block)
+            if rng.random() < 0.5:
+                log.row(EV_CREATED, block[0])
+            log.header(EV_STORED_BLOCK, block, pages=pages)
+            parent = (block[0], 0)
+    return log.launch(0)
+
+
+def decoded(records, tokens, decoder, event_hash="sha256"):
+    launch = _Launch.__new__(_Launch)
+    getattr(launch, decoder)(records, tokens, event_hash, digest_of_token, _UNIQUE_TOKENS, 0)
+    return {name: getattr(launch, name) for name in _Launch.__slots__}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_both_decoders_give_the_same_columns(seed):
+    """A launch decoded record by record (``_rows``) and with array
+    operations (``_arrays``) gives the same columns, whatever its records."""
+    rng = np.random.default_rng(seed)
+    log = RandomLog(rng)
+    commit_launches = 0
+    for size in (1, 3, 10, 40, 100, 300):
+        for event_hash in sorted(HASH_ALGOS):
+            records, tokens = commits(log, size // 4 + 1) if rng.random() < 0.4 else log.launch(size)
+            rows = decoded(records, tokens, "_rows", event_hash)
+            assert rows == decoded(records, tokens, "_arrays", event_hash)
+            commit_launches += rows["store_lcs"] is not None
+    assert commit_launches
+
+
+def commits_and_others(seed, max_entries, event_hash, in_one_pass=None):
+    """Batched commits among other launches, in iterations, against the reference."""
+    rng = np.random.default_rng(seed)
+    log = RandomLog(rng)
+    em, ref = both(max_entries, event_hash, log)
+    if in_one_pass is not None:  # (taken, whether it recorded scopes) of each try
+        store_chains = em._store_chains
+
+        def spy(*args):
+            scoped = len(em._scope_of)
+            taken = store_chains(*args)
+            in_one_pass.append((taken, len(em._scope_of) > scoped))
+            return taken
+
+        em._store_chains = spy
+    for _ in range(int(rng.integers(1, 6))):  # iterations
+        for _ in range(int(rng.integers(1, 4))):  # launches in one
+            if rng.random() < 0.6:
+                records, tokens = commits(log, int(rng.integers(1, 12)))
+            else:
+                records, tokens = log.launch(int(rng.integers(1, 60)))
+            em.on_records(records, tokens)
+            ref.feed(records, tokens)
+        em.flush_iteration_events()
+        assert em.get_latest_events() == ref.drain()
+
+
+@pytest.mark.parametrize("decoder_rows_max", [0, 10**9], ids=["arrays", "rows"])
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), max_entries=st.sampled_from([5, 40, 10**6]),
+       event_hash=st.sampled_from(sorted(HASH_ALGOS)))
+def test_each_decoder_and_the_commit_path_match_the_reference(decoder_rows_max, seed, max_entries, event_hash):
+    """Batched commits (``_store_chains``) among other launches, each decoder
+    in turn for every launch: the events of the record-by-record reference."""
+    with mock.patch.object(events, "_ROWS_MAX", decoder_rows_max):
+        commits_and_others(seed, max_entries, event_hash)
+
+
+def test_the_commit_path_is_taken_scopes_and_all():
+    """The runs above take the one-pass path for most commits, scoped chains
+    among them, and fall back (matching the reference too) for the rest."""
+    in_one_pass = []
+    for seed in range(40):
+        commits_and_others(seed, 5 if seed % 4 == 0 else 10**6, "sha256", in_one_pass)
+    assert in_one_pass.count((True, True)) > 5  # scoped chains
+    assert in_one_pass.count((True, False)) > 20
+    assert [taken for taken, _ in in_one_pass].count(False) >= 3  # near the cap (_trim)
+
+
+@pytest.mark.parametrize("decoder_rows_max", [0, 10**9], ids=["arrays", "rows"])
+def test_a_commit_interrupted_anywhere_applies_whole_when_fed_again(decoder_rows_max):
+    """The one-pass commit path, cut at every line in turn: no trace, and the
+    same records fed again give the events of an uninterrupted run."""
+    rng = np.random.default_rng(5)
+    log = RandomLog(rng)
+    launches = [commits(log, 6), log.launch(20), commits(log, 8)]
+    with mock.patch.object(events, "_ROWS_MAX", decoder_rows_max):
+        want_em, _ = both(10**6, "sha256", log)
+        for records, tokens in launches:
+            want_em.on_records(records, tokens)
+        want_em.flush_iteration_events()
+        want = want_em.get_latest_events()
+        assert any(getattr(event.data, "scope", None) is not None for event in want)
+
+        k = 1
+        while True:
+            em, _ = both(10**6, "sha256", log)
+            fired = False
+            for records, tokens in launches:
+                progress = np.zeros(1, dtype=np.int64)
+                if not fired:
+                    fired = interrupt_at(k, lambda: em.on_records(records, tokens, progress))
+                    if fired:
+                        assert progress[0] in (0, len(records))
+                em.on_records(records, tokens, progress)
+                assert progress[0] == len(records)
+            em.flush_iteration_events()
+            assert em.get_latest_events() == want, f"interrupted at line event {k}"
+            if not fired:
+                break
+            k += 1 if k < 300 else 5
+    assert k > 150
