@@ -243,13 +243,14 @@ class KVCacheEventManager:
     def _save(self, keys: list) -> tuple:
         """What applying records of blocks ``keys`` may change, cheaply: their
         announcements and scopes (references: both are replaced, never
-        changed in place; no scopes when none is recorded), the small
+        changed in place; None for no announcement or no scope of any), the small
         per-group dicts, the buffered removals by length, the pending list by
         length and the entries a stored event may extend in place, and the
         event id."""
-        pending, scope_of = self._pending, self._scope_of
+        pending, stored, scope_of = self._pending, self._stored, self._scope_of
         return (
-            dict(zip(keys, map(self._stored.get, keys))),
+            # None: none of the keys is announced (a commit's new blocks, the usual).
+            None if stored.keys().isdisjoint(keys) else dict(zip(keys, map(stored.get, keys))), keys,
             dict(zip(keys, map(scope_of.get, keys))) if scope_of else None,
             self._next_event_id, dict(self._latest_stored), dict(self._dropped_tail),
             {g: (hashes, len(hashes)) for g, hashes in self._removed.items()},
@@ -260,7 +261,9 @@ class KVCacheEventManager:
         """Put back what ``_save`` kept. ``_trim`` and the flushes replace the
         pending list and the removal lists rather than cutting them, so the
         saved ones still hold everything they held."""
-        announced, scopes, next_id, latest, tail, removed, pending, n_pending, extended = saved
+        announced, keys, scopes, next_id, latest, tail, removed, pending, n_pending, extended = saved
+        if announced is None:
+            announced = dict.fromkeys(keys)
         if scopes is None:
             self._scope_of.clear()
             scopes = {}
@@ -851,6 +854,7 @@ class _Launch:
         lcs, levels, priorities = records[covers][:, _PAGE].T.tolist()
         keys, parent_keys = _keys(h, LOG_DIGEST), _keys(h, LOG_PARENT_DIGEST)
         hashes = _hashes(h, LOG_DIGEST, event_hash, keys)
+        continues = None
         if len(headers) > 1:  # a chain of stores to find
             # The life cycles that cover each header, as bits (a config has few).
             covered = np.bincount(cover_of, weights=np.exp2(records[covers, LOG_LIFE_CYCLE]), minlength=len(headers))
@@ -858,8 +862,10 @@ class _Launch:
             continues = _continues_chain(h, position, covered)
             if continues.any():
                 spans[position] = _runs(continues)
+            else:
+                continues = None
         self.spans = spans.tolist()
-        self.headers = (hashes, parent_keys, _hashes(h, LOG_PARENT_DIGEST, event_hash, parent_keys),
+        self.headers = (hashes, parent_keys, _parent_hashes(h, event_hash, parent_keys, hashes, continues),
                         h[:, LOG_PARENT_IS_ROOT].tolist(), bounds[:-1].tolist(), bounds[1:].tolist())
         self.block_lcs = lcs
         self.store_lcs = None
@@ -1007,6 +1013,19 @@ def _hashes(rows: np.ndarray, col: int, event_hash: str, keys: list) -> list:
     if event_hash == "sha256_64":  # the first 8 bytes, big-endian unsigned
         return np.ascontiguousarray(rows[:, col], dtype="<i8").view(">u8").tolist()
     return list(map(bytes.hex, keys))
+
+
+def _parent_hashes(headers: np.ndarray, event_hash: str, parent_keys: list, hashes: list,
+                   continues: np.ndarray | None) -> list:
+    """``event_block_hash`` of each header's parent key: the hash of the
+    header before it where it continues that one's chain (``continues``),
+    made only for the others."""
+    if event_hash == "sha256_64" or continues is None:
+        return _hashes(headers, LOG_PARENT_DIGEST, event_hash, parent_keys)
+    out = [None, *hashes[:-1]]
+    for j in (~continues).nonzero()[0].tolist():
+        out[j] = parent_keys[j].hex()
+    return out
 
 
 def _payloads(at: np.ndarray, counts: np.ndarray, log_tokens: np.ndarray, digest_of_token,
