@@ -7,7 +7,7 @@ from the tree's change log, ``zmq_events`` publishes them in vLLM's format.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .core.scope import ReuseScope
 
@@ -61,6 +61,23 @@ class KVCacheStoredBlockData:
     priority: int
     mm_keys: tuple[str, ...] = ()  # hex digests of its multimodal tokens, first appearance order
     cache_salt: str | None = None
+
+    # A block the event manager makes may hold, instead of ``tokens``, the
+    # token rows of its launch and its row there (``make_stored_block_of_row``):
+    # the tuple of UniqueTokens is made when ``tokens`` is first read, and
+    # kept. A consumer that reads the ids instead (``token_ids``), or nothing,
+    # never makes it. Equality, hashing, repr and ``dataclasses`` read the
+    # attribute, so they see the tuple; pickling and copying carry it too
+    # (``__getstate__``), never the launch's rows.
+    def __getattr__(self, name: str):
+        state = self.__dict__
+        if name == "tokens" and "_token_rows" in state:
+            tokens = state["tokens"] = state["_token_rows"].tokens(state["_token_row"])
+            return tokens
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __getstate__(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,27 @@ def make_stored_block(block_hash: EventHash, tokens: tuple, cache_level: int, pr
     block.__dict__.update(block_hash=block_hash, tokens=tokens, cache_level=cache_level, priority=priority,
                           mm_keys=mm_keys, cache_salt=None)
     return block
+
+
+def make_stored_block_of_row(block_hash: EventHash, token_rows, row: int, cache_level: int,
+                             priority: int) -> KVCacheStoredBlockData:
+    """``make_stored_block`` of a block without multimodal tokens whose tokens
+    are ``token_rows.tokens(row)``, made when first read. ``token_rows.ids[row]``:
+    its token ids (``token_ids``)."""
+    block = _new(KVCacheStoredBlockData)
+    block.__dict__.update(block_hash=block_hash, cache_level=cache_level, priority=priority, mm_keys=(),
+                          cache_salt=None, _token_rows=token_rows, _token_row=row)
+    return block
+
+
+def token_ids(block: KVCacheStoredBlockData) -> tuple:
+    """The block's token ids (ints, and hex strings for multimodal digest
+    tokens), read from its launch's token rows when its UniqueTokens are not
+    made (``make_stored_block_of_row``)."""
+    state = block.__dict__
+    if "tokens" not in state and "_token_rows" in state:
+        return tuple(state["_token_rows"].ids[state["_token_row"]].tolist())
+    return tuple(token.token_id for token in block.tokens)
 
 
 def make_stored_data(parent_hash: EventHash | None, blocks: tuple, scope: ReuseScope | None) -> KVCacheStoredData:

@@ -80,6 +80,7 @@ from .event_types import (
     event_block_hash,
     make_event,
     make_stored_block,
+    make_stored_block_of_row,
     make_stored_data,
 )
 from .core.layout import (
@@ -758,6 +759,29 @@ class _UniqueTokens:
 _UNIQUE_TOKENS = _UniqueTokens()
 
 
+class _TokenRows:
+    """The token ids of a launch's stored blocks (rows of plain ids, each
+    its block's full list), and their UniqueToken tuples, made all at once
+    when a block's ``tokens`` is first read (``make_stored_block_of_row``).
+    Most of the cost of a stored block was its tuple of token objects (a
+    gather of pointers to objects all over memory, then their tuple); a
+    consumer that reads the ids (``event_types.token_ids``, the ZMQ
+    publisher) or does not read the blocks never pays it, and one that reads
+    them pays it once per launch, not once per block."""
+
+    __slots__ = ("ids", "_tuples")
+
+    def __init__(self, ids: np.ndarray):
+        self.ids = ids  # [blocks, tokens] int32, a copy of the log's rows
+        self._tuples = None
+
+    def tokens(self, row: int) -> tuple:
+        tuples = self._tuples
+        if tuples is None:  # made again by a racing thread: equal tuples, one kept
+            tuples = self._tuples = _UNIQUE_TOKENS.rows(self.ids, int(self.ids.max()))
+        return tuples[row]
+
+
 def _payload(tokens, unique: _UniqueTokens) -> tuple:
     """``(tokens, mm_keys)`` of a block's stored events from its token list
     (ints, and 32-byte digests for multimodal tokens), one token at a time:
@@ -964,6 +988,12 @@ def _stored_blocks(hashes: list, wanted: list | None, tokens: list, mm_keys: lis
     and payload, its own level and priority. ``cover_of``: each page's
     header; ``tokens`` and ``mm_keys``: the payloads of the headers
     ``wanted`` (all of them when None)."""
+    if isinstance(tokens, _TokenRows):  # row j of the rows is the jth header wanted
+        rows = range(len(hashes)) if wanted is None else dict(zip(wanted, range(len(wanted))))
+        if len(cover_of) == len(hashes) and wanted is None:  # a page per header, in order
+            return list(map(make_stored_block_of_row, hashes, repeat(tokens), rows, levels, priorities))
+        return list(map(make_stored_block_of_row, [hashes[j] for j in cover_of], repeat(tokens),
+                        [rows[j] for j in cover_of], levels, priorities))
     if wanted is not None:  # payloads by header
         tokens, mm_keys = dict(zip(wanted, tokens)), dict(zip(wanted, mm_keys))
     if len(cover_of) == len(hashes) and wanted is None:  # a page per header, in order
@@ -1033,15 +1063,17 @@ def _payloads(at: np.ndarray, counts: np.ndarray, log_tokens: np.ndarray, digest
     """``(tokens, mm_keys)``: the payloads (``_payload``) of the blocks whose
     token rows are ``log_tokens[at]``, of ``counts`` tokens each: the rows of
     plain token ids in one gather, the multimodal ones (negative ids stand
-    for interned digests) and any other token by token."""
+    for interned digests) and any other token by token. When every row is
+    a full one of plain ids (the usual launch): ``(_TokenRows, None)``, the
+    tokens made when read."""
     rows = np.asarray(log_tokens)[at]
     width = rows.shape[1]
     full = int(counts.min()) >= width
     if not full:  # the tokens past a block's count are not its own: read as 0
         rows = np.where(np.arange(width) < counts[:, None], rows, 0)
     top = int(rows.max())
-    if full and top < _TABLE_TOKENS_MAX and rows.min() >= 0:  # the usual launch: one gather, nothing to cut
-        return unique.rows(rows, top), [()] * len(rows)
+    if full and top < _TABLE_TOKENS_MAX and rows.min() >= 0:  # the usual launch: tokens made when read
+        return _TokenRows(rows), None
     tokens, mm_keys = [None] * len(rows), [()] * len(rows)
     plain = ((rows >= 0) & (rows < _TABLE_TOKENS_MAX)).all(axis=1)
     if plain.any():

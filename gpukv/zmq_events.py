@@ -63,6 +63,7 @@ import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import repeat
 
 from .core.config import KIND_FULL, KIND_SSM, KIND_SWA
 from .core.scope import ReuseScope
@@ -72,6 +73,7 @@ from .event_types import (
     KVCacheStoredData,
     KVCacheUpdatedData,
 )
+from .event_types import token_ids as event_token_ids
 
 try:
     import msgspec
@@ -194,7 +196,8 @@ class _Translator:
         for block in data.blocks:
             if chained and parent is not None and (parent, group) not in self.announced:
                 break  # a chain a router could not attach (its parent was not announced here)
-            if len(block.tokens) != self.T or any(not isinstance(t.token_id, int) for t in block.tokens):
+            token_ids = event_token_ids(block)  # the ids, without making token objects the manager has not made
+            if len(token_ids) != self.T or not all(map(isinstance, token_ids, repeat(int))):
                 break  # a partial block (always a chain's last), or multimodal digest tokens
             medium = _MEDIUMS[block.cache_level] if 0 <= block.cache_level < len(_MEDIUMS) else None
             if medium is None:
@@ -203,7 +206,6 @@ class _Translator:
                 out.append(self._stored(run, run_parent, group, lora_id, lora_name))
                 run, run_parent = [], parent
             h = _int_hash(block.block_hash)
-            token_ids = tuple(t.token_id for t in block.tokens)
             self.announced[(h, group)] = _Announced(parent, token_ids, lora_id, lora_name, medium)
             run.append((h, token_ids, medium))
             parent = h
