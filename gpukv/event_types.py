@@ -88,6 +88,21 @@ class KVCacheStoredData:
     # the reference's event: a publisher for routers needs it (LoRA name).
     scope: ReuseScope | None = None
 
+    # An event the event manager makes may hold, instead of ``blocks``, a
+    # run of its launch's stored blocks (``make_stored_data_of``): the tuple
+    # is made when ``blocks`` is first read, and kept, as a stored block's
+    # ``tokens`` is (see KVCacheStoredBlockData).
+    def __getattr__(self, name: str):
+        state = self.__dict__
+        if name == "blocks" and "_blocks_of" in state:
+            source, start, stop, step = state["_blocks_of"]
+            blocks = state["blocks"] = source.blocks(start, stop, step)
+            return blocks
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __getstate__(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
 
 @dataclass(frozen=True)
 class KVCacheRemovedData:
@@ -165,6 +180,14 @@ def make_stored_data(parent_hash: EventHash | None, blocks: tuple, scope: ReuseS
     """``KVCacheStoredData(parent_hash, blocks, scope)``."""
     data = _new(KVCacheStoredData)
     data.__dict__.update(parent_hash=parent_hash, blocks=blocks, scope=scope)
+    return data
+
+
+def make_stored_data_of(parent_hash: EventHash | None, run: tuple, scope: ReuseScope | None) -> KVCacheStoredData:
+    """``make_stored_data`` whose blocks are ``source.blocks(start, stop,
+    step)`` for ``run = (source, start, stop, step)``, made when first read."""
+    data = _new(KVCacheStoredData)
+    data.__dict__.update(parent_hash=parent_hash, scope=scope, _blocks_of=run)
     return data
 
 

@@ -59,7 +59,7 @@ import struct
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import accumulate, repeat
+from itertools import accumulate, chain, repeat
 
 import numpy as np
 
@@ -82,6 +82,7 @@ from .event_types import (
     make_stored_block,
     make_stored_block_of_row,
     make_stored_data,
+    make_stored_data_of,
 )
 from .core.layout import (
     EV_CREATED,
@@ -177,9 +178,9 @@ class KVCacheEventManager:
         self._removed: dict[int, list] = {}  # layer group -> buffered removed hashes
         self._pending: list[KVCacheEvent] = []  # this iteration's events
         self._latest_stored: dict[int, int] = {}  # layer group -> index in _pending
-        # Layer group -> blocks that continue its latest stored event and are
-        # not written into it yet: a chain grows by appends and its event is
-        # rebuilt once (_seal), not once per block. Empty between calls.
+        # Layer group -> runs of blocks that continue its latest stored event
+        # and are not written into it yet: a chain grows by appends and its
+        # event is rebuilt once (_seal), not once per block. Empty between calls.
         self._extending: dict[int, list] = {}
         # layer group -> last block hash of its latest stored event when _trim
         # dropped that event: a continuation extends it, out of sight, as it
@@ -312,7 +313,7 @@ class KVCacheEventManager:
                 # is still recorded with one: then block by block.
                 if run > 1 and (scope is not None or not scope_of or scope_of.keys().isdisjoint(keys[i:i + run - 1])):
                     self._store_chain(keys[i:i + run], hashes[h:h + run], parent_hash, scope,
-                                      tuple(block_lcs[lo:his[h]]), blocks[lo:his[h + run - 1]])
+                                      tuple(block_lcs[lo:his[h]]), blocks, lo, his[h + run - 1])
                     i, h = i + run, h + run
                     continue
                 key, hi = keys[i], his[h]
@@ -321,10 +322,9 @@ class KVCacheEventManager:
                 if lo == hi:  # nothing covers the whole block: nothing to announce
                     pass
                 elif kind == EV_STORED_BLOCK:
-                    self._store_block(key, hashes[h], parent_hash, scope, tuple(block_lcs[lo:hi]), blocks[lo:hi])
+                    self._store_block(key, hashes[h], parent_hash, scope, tuple(block_lcs[lo:hi]), blocks, lo)
                 else:
-                    self._store_life_cycle(key, hashes[h], parent_hash, scope, tuple(block_lcs[lo:hi]),
-                                           blocks[lo:hi], lc)
+                    self._store_life_cycle(key, hashes[h], parent_hash, scope, tuple(block_lcs[lo:hi]), blocks, lo, lc)
                 h += 1
             elif kind == EV_REMOVED:
                 # One record per detached block, a run of them per subtree:
@@ -385,7 +385,7 @@ class KVCacheEventManager:
         if added:
             scope_of.update(added)
         blocks = launch.blocks
-        data = [make_stored_data(None if at_roots[a] else parent_hashes[a], tuple(blocks[a * k + j : b * k : k]), scope)
+        data = [make_stored_data_of(None if at_roots[a] else parent_hashes[a], (blocks, a * k + j, b * k, k), scope)
                 for a, b, scope in zip(starts, ends, scopes) for j in range(k)]
         windows = [self._window_of.get(lc, NO_WINDOW) for lc in lcs]
         pending, next_id = self._pending, self._next_event_id
@@ -485,7 +485,7 @@ class KVCacheEventManager:
         if covering:
             block_hash = self._hash(block.key)
             self._store_block(block.key, block_hash, self._parent_hash(block), block.scope,
-                              tuple(page[0] for page in covering), _blocks_of(block_hash, block, covering))
+                              tuple(page[0] for page in covering), _StoredBlocks.of(block_hash, block, covering), 0)
             self._seal_all()
 
     def add_stored_life_cycle_event_from_block(self, block: LoggedBlock, life_cycle: int) -> None:
@@ -496,7 +496,8 @@ class KVCacheEventManager:
         if covering:
             block_hash = self._hash(block.key)
             self._store_life_cycle(block.key, block_hash, self._parent_hash(block), block.scope,
-                                   tuple(page[0] for page in covering), _blocks_of(block_hash, block, covering), life_cycle)
+                                   tuple(page[0] for page in covering), _StoredBlocks.of(block_hash, block, covering),
+                                   0, life_cycle)
             self._seal_all()
 
     def add_removed_event(self, keys: Iterable[bytes]) -> None:
@@ -550,36 +551,41 @@ class KVCacheEventManager:
 
     # -- the two stored paths, on a decoded block ----------------------------------
     # ``lcs`` lists the life cycles whose pages cover the block whole,
-    # ascending (never empty), and ``blocks`` the KVCacheStoredBlockData of
-    # each, with its page's level and priority.
-    def _store_block(self, key: bytes, block_hash, parent_hash, scope, lcs: tuple, blocks) -> None:
+    # ascending (never empty); ``blocks`` (``_StoredBlocks``) holds the
+    # stored block of each from ``at`` on, with its page's level and
+    # priority. Events take runs of them, ``(blocks, start, stop, step)``.
+    def _store_block(self, key: bytes, block_hash, parent_hash, scope, lcs: tuple, blocks, at: int) -> None:
         self._stored[key] = (block_hash, lcs)
-        for lc, block in zip(lcs, blocks):
-            self._add_stored_event(parent_hash, (block,), lc, scope)
+        for j, lc in enumerate(lcs):
+            self._add_stored_event(parent_hash, (blocks, at + j, at + j + 1, 1), lc, scope)
 
-    def _store_chain(self, keys: list, block_hashes: list, parent_hash, scope, lcs: tuple, blocks: list) -> None:
+    def _store_chain(self, keys: list, block_hashes: list, parent_hash, scope, lcs: tuple, blocks, at: int,
+                     end: int) -> None:
         """``_store_block`` of each block of a chain (each the parent of the
         next, all whole-block stores covered in the same life cycles
-        ``lcs``; ``blocks`` lists each block's, by block then life cycle),
-        in one pass per life cycle. The same events: after its first block,
-        a chain only extends each group's latest stored event, which makes
-        no event, so the blocks of a group may go in together."""
+        ``lcs``; ``blocks`` holds each block's from ``at`` to ``end``, by
+        block then life cycle), in one pass per life cycle. The same events:
+        after its first block, a chain only extends each group's latest
+        stored event, which makes no event, so the blocks of a group may go
+        in together."""
         self._stored.update(zip(keys, zip(block_hashes, repeat(lcs))))
         if scope is not None:
             self._scope_of.update(dict.fromkeys(keys, scope))
         k = len(lcs)
         for j, lc in enumerate(lcs):
-            self._add_stored_event(parent_hash, tuple(blocks[j::k]), lc, scope)
+            self._add_stored_event(parent_hash, (blocks, at + j, end, k), lc, scope)
 
-    def _store_life_cycle(self, key: bytes, block_hash, parent_hash, scope, lcs: tuple, blocks, life_cycle) -> None:
+    def _store_life_cycle(self, key: bytes, block_hash, parent_hash, scope, lcs: tuple, blocks, at: int,
+                          life_cycle) -> None:
         state = self._stored.get(key)
         if state is None:
-            self._store_block(key, block_hash, parent_hash, scope, lcs, blocks)
+            self._store_block(key, block_hash, parent_hash, scope, lcs, blocks, at)
             return
         if life_cycle in state[1] or life_cycle not in lcs:  # announced already, or its page does not cover the block
             return
         self._stored[key] = (state[0], tuple(sorted(state[1] + (life_cycle,))))
-        self._add_stored_event(parent_hash, (blocks[lcs.index(life_cycle)],), life_cycle, scope)
+        at += lcs.index(life_cycle)
+        self._add_stored_event(parent_hash, (blocks, at, at + 1, 1), life_cycle, scope)
 
     # -- batching and ordering ---------------------------------------------------
     def _add_event(self, data: EventData, group: int | None) -> int:
@@ -606,16 +612,17 @@ class KVCacheEventManager:
         for group, at in list(self._latest_stored.items()):
             if at < cut:
                 data = self._pending[at].data
-                self._dropped_tail[group] = (data.blocks[-1].block_hash, data.scope)
+                self._dropped_tail[group] = (_stored_last_hash(data), data.scope)
                 del self._latest_stored[group]
             else:
                 self._latest_stored[group] = at - cut
         self._pending = self._pending[cut:]  # a new list: a saved one stays whole (_restore)
 
-    def _add_stored_event(self, parent_hash, blocks: tuple, group: int, scope: ReuseScope | None = None) -> None:
-        """Store ``blocks`` (a chain, each the parent of the next, the first a
-        child of ``parent_hash``) in ``group``: extending its latest stored
-        event when that ends with the parent, else as a new event."""
+    def _add_stored_event(self, parent_hash, run: tuple, group: int, scope: ReuseScope | None = None) -> None:
+        """Store the blocks of ``run`` (a chain, each the parent of the next,
+        the first a child of ``parent_hash``) in ``group``: extending its
+        latest stored event when that ends with the parent, else as a new
+        event."""
         # The group's own removals go first, ahead of the other groups' too: a
         # block removed and then stored again must not read as stored, removed.
         if self._removed:
@@ -625,20 +632,20 @@ class KVCacheEventManager:
             if latest is not None:
                 event = self._pending[latest]
                 extending = self._extending.get(group)
-                last = extending[-1] if extending else event.data.blocks[-1]
-                if last.block_hash == parent_hash and event.data.scope == scope:
+                last = _last_hash(extending[-1]) if extending else _stored_last_hash(event.data)
+                if last == parent_hash and event.data.scope == scope:
                     if extending is None:
-                        self._extending[group] = list(blocks)
+                        self._extending[group] = [run]
                     else:
-                        extending.extend(blocks)
+                        extending.append(run)
                     return
             if self._dropped_tail and self._dropped_tail.get(group) == (parent_hash, scope):
-                self._dropped_tail[group] = (blocks[-1].block_hash, scope)  # extends an event the cap dropped
+                self._dropped_tail[group] = (_last_hash(run), scope)  # extends an event the cap dropped
                 return
         self._end_chain(group)
         # Not a continuation: a new event (which flushes the other groups'
         # removals, ascending, before it).
-        self._latest_stored[group] = self._add_event(make_stored_data(parent_hash, blocks, scope), group)
+        self._latest_stored[group] = self._add_event(make_stored_data_of(parent_hash, run, scope), group)
 
     def _end_chain(self, group: int | None) -> None:
         """The group's latest stored event takes no more blocks."""
@@ -651,11 +658,12 @@ class KVCacheEventManager:
     def _seal(self, group: int | None) -> None:
         """Write the blocks waiting in ``_extending`` into the group's latest
         stored event."""
-        blocks = self._extending.get(group)
-        if blocks:
+        runs = self._extending.get(group)
+        if runs:
             at = self._latest_stored[group]
             event = self._pending[at]
-            data = make_stored_data(event.data.parent_hash, event.data.blocks + tuple(blocks), event.data.scope)
+            blocks = event.data.blocks + tuple(chain.from_iterable(source.blocks(*span) for source, *span in runs))
+            data = make_stored_data(event.data.parent_hash, blocks, event.data.scope)
             self._pending[at] = make_event(event.event_id, data, event.window_size, event.hash_algo, group)
         self._extending.pop(group, None)
 
@@ -690,12 +698,6 @@ def _covering_pages(block: LoggedBlock) -> list:
     """``(life cycle, level, priority)`` of the pages of ``block`` that cover it
     whole, ascending."""
     return [(lc, page.level, page.priority) for lc, page in sorted(block.pages.items()) if page.covers]
-
-
-def _blocks_of(block_hash: EventHash, block: LoggedBlock, covering: list) -> list:
-    """The stored block data of each covering page of ``block``."""
-    tokens, mm_keys = _payload(block.tokens, _UNIQUE_TOKENS)
-    return [make_stored_block(block_hash, tokens, level, priority, mm_keys) for _, level, priority in covering]
 
 
 # Token ids below this are kept in _UniqueTokens' table (one pointer each, so at
@@ -821,9 +823,10 @@ class _Launch:
     ``headers``: columns with a row per stored header, in log order: block
     hash, parent key, parent hash, whether the parent is a root, and where
     its covering pages start and end in ``blocks`` and ``block_lcs``: the
-    KVCacheStoredBlockData each covering page announces (the header's hash
-    and payload, the page's level and priority) and the page's life cycle,
-    by header, then life cycle ascending. Nothing here is event state (the
+    stored block each covering page announces (``_StoredBlocks``: the
+    header's hash and payload, the page's level and priority; None when no
+    page covers its block) and the page's life cycle, by header, then life
+    cycle ascending. Nothing here is event state (the
     token objects are shared, safely), so an interrupt while building it
     changes nothing. Malformed records raise ValueError here, before the
     event manager applies any. ``store_lcs``: when every record that makes
@@ -867,7 +870,7 @@ class _Launch:
         headers = (role == _HEADER).nonzero()[0]
         if not headers.size:
             self.spans = spans.tolist()
-            self.headers, self.blocks, self.block_lcs, self.store_lcs = ((),) * 6, [], [], None
+            self.headers, self.blocks, self.block_lcs, self.store_lcs = ((),) * 6, None, [], None
             return
         h = records[headers]
         # Covering page infos (they follow their header, ascending), and the
@@ -894,7 +897,7 @@ class _Launch:
         self.block_lcs = lcs
         self.store_lcs = None
         if not covers.size:
-            self.blocks = []
+            self.blocks = None
             return
         each = bounds[1:] - bounds[:-1]  # covering pages per header
         k = int(each[0])
@@ -907,8 +910,8 @@ class _Launch:
         at, counts = (h[:, LOG_TOKENS_AT], h[:, LOG_NUM_TOKENS]) if wanted is None else \
             (h[wanted, LOG_TOKENS_AT], h[wanted, LOG_NUM_TOKENS])
         tokens, mm_keys = _payloads(at, counts, log_tokens, digest_of_token, unique)
-        self.blocks = _stored_blocks(hashes, None if wanted is None else wanted.tolist(), tokens, mm_keys,
-                                     cover_of.tolist(), levels, priorities)
+        self.blocks = _StoredBlocks(hashes, None if wanted is None else wanted.tolist(), tokens, mm_keys,
+                                    cover_of.tolist(), levels, priorities)
 
     def _rows(self, records, log_tokens, event_hash, digest_of_token, unique, first) -> None:
         fields, keys, spans = [], [], []
@@ -943,7 +946,7 @@ class _Launch:
             keys.append(_KEY(*r[LOG_DIGEST : LOG_DIGEST + 4]))
         self.fields, self.keys, self.spans = fields, keys, spans
         if not heads:
-            self.headers, self.blocks, self.block_lcs, self.store_lcs = ((),) * 6, [], [], None
+            self.headers, self.blocks, self.block_lcs, self.store_lcs = ((),) * 6, None, [], None
             return
         counts = [0] * len(heads)
         for c in covers:
@@ -972,34 +975,77 @@ class _Launch:
                 and all(r[LOG_KIND] == EV_STORED_BLOCK for r in heads) and lcs == lcs[:k] * len(heads)):
             self.store_lcs = tuple(lcs[:k])
         if not covers:
-            self.blocks = []
+            self.blocks = None
             return
         wanted = [j for j, n in enumerate(counts) if n]
         tokens, mm_keys = _payloads(np.array([heads[j][LOG_TOKENS_AT] for j in wanted]),
                                     np.array([heads[j][LOG_NUM_TOKENS] for j in wanted]),
                                     log_tokens, digest_of_token, unique)
-        self.blocks = _stored_blocks(hashes, wanted if len(wanted) < len(heads) else None, tokens, mm_keys,
-                                     [c[0] for c in covers], [c[2] for c in covers], [c[3] for c in covers])
+        self.blocks = _StoredBlocks(hashes, wanted if len(wanted) < len(heads) else None, tokens, mm_keys,
+                                    [c[0] for c in covers], [c[2] for c in covers], [c[3] for c in covers])
 
 
-def _stored_blocks(hashes: list, wanted: list | None, tokens: list, mm_keys: list, cover_of: list,
-                   levels: list, priorities: list) -> list:
-    """The KVCacheStoredBlockData of each covering page: its header's hash
-    and payload, its own level and priority. ``cover_of``: each page's
-    header; ``tokens`` and ``mm_keys``: the payloads of the headers
-    ``wanted`` (all of them when None)."""
-    if isinstance(tokens, _TokenRows):  # row j of the rows is the jth header wanted
-        rows = range(len(hashes)) if wanted is None else dict(zip(wanted, range(len(wanted))))
-        if len(cover_of) == len(hashes) and wanted is None:  # a page per header, in order
-            return list(map(make_stored_block_of_row, hashes, repeat(tokens), rows, levels, priorities))
-        return list(map(make_stored_block_of_row, [hashes[j] for j in cover_of], repeat(tokens),
-                        [rows[j] for j in cover_of], levels, priorities))
-    if wanted is not None:  # payloads by header
-        tokens, mm_keys = dict(zip(wanted, tokens)), dict(zip(wanted, mm_keys))
-    if len(cover_of) == len(hashes) and wanted is None:  # a page per header, in order
-        return list(map(make_stored_block, hashes, tokens, levels, priorities, mm_keys))
-    return list(map(make_stored_block, [hashes[j] for j in cover_of], [tokens[j] for j in cover_of], levels,
-                    priorities, [mm_keys[j] for j in cover_of]))
+class _StoredBlocks:
+    """A launch's stored blocks, one per covering page (by header, then life
+    cycle ascending), as columns: the header's hash and payload, the page's
+    level and priority. A stored event holds a run of them (``start``,
+    ``stop``, ``step``) and makes their KVCacheStoredBlockData when its
+    ``blocks`` is first read (``make_stored_data_of``): a consumer that
+    does not read them never pays for them. ``token_rows``: the payloads as
+    rows of token ids (``_TokenRows``, row ``rows[i]`` for block i), or
+    None with ``tokens`` and ``mm_keys`` made per block."""
+
+    __slots__ = ("hashes", "levels", "priorities", "token_rows", "rows", "tokens", "mm_keys")
+
+    def __init__(self, hashes: list, wanted: list | None, tokens, mm_keys: list | None, cover_of: list,
+                 levels: list, priorities: list):
+        """``cover_of``: each page's header; ``hashes``: by header;
+        ``tokens`` and ``mm_keys``: the payloads of the headers ``wanted``
+        (all of them when None), or ``(_TokenRows, None)``, a row each."""
+        one_each = len(cover_of) == len(hashes) and wanted is None  # a page per header, in order: the usual
+        self.hashes = hashes if one_each else [hashes[j] for j in cover_of]
+        self.levels, self.priorities = levels, priorities
+        if isinstance(tokens, _TokenRows):
+            self.token_rows, self.tokens, self.mm_keys = tokens, None, None
+            if one_each:
+                self.rows = range(len(hashes))
+            else:
+                row_of = range(len(hashes)) if wanted is None else dict(zip(wanted, range(len(wanted))))
+                self.rows = [row_of[j] for j in cover_of]
+            return
+        if wanted is not None:
+            tokens, mm_keys = dict(zip(wanted, tokens)), dict(zip(wanted, mm_keys))
+        self.token_rows, self.rows = None, None
+        self.tokens = tokens if one_each else [tokens[j] for j in cover_of]
+        self.mm_keys = mm_keys if one_each else [mm_keys[j] for j in cover_of]
+
+    @staticmethod
+    def of(block_hash: EventHash, block: "LoggedBlock", covering: list) -> "_StoredBlocks":
+        """The stored blocks of each covering page of one block."""
+        tokens, mm_keys = _payload(block.tokens, _UNIQUE_TOKENS)
+        return _StoredBlocks([block_hash], None, [tokens] * len(covering), [mm_keys] * len(covering),
+                             [0] * len(covering), [page[1] for page in covering], [page[2] for page in covering])
+
+    def blocks(self, start: int, stop: int, step: int) -> tuple:
+        """The KVCacheStoredBlockData of the run."""
+        run = slice(start, stop, step)
+        if self.token_rows is not None:
+            return tuple(map(make_stored_block_of_row, self.hashes[run], repeat(self.token_rows), self.rows[run],
+                             self.levels[run], self.priorities[run]))
+        return tuple(map(make_stored_block, self.hashes[run], self.tokens[run], self.levels[run],
+                         self.priorities[run], self.mm_keys[run]))
+
+
+def _last_hash(run: tuple) -> EventHash:
+    """The hash of the last block of a run ``(_StoredBlocks, start, stop, step)``."""
+    source, start, stop, step = run
+    return source.hashes[start + (stop - 1 - start) // step * step]
+
+
+def _stored_last_hash(data: KVCacheStoredData) -> EventHash:
+    """The hash of the last block of a stored event, without making its blocks."""
+    run = data.__dict__.get("_blocks_of")
+    return data.blocks[-1].block_hash if run is None or "blocks" in data.__dict__ else _last_hash(run)
 
 
 def _continues_chain(headers: np.ndarray, position: np.ndarray, covered: np.ndarray) -> np.ndarray:

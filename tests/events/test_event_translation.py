@@ -440,9 +440,13 @@ def commits(log: RandomLog, chains: int):
 
 
 def decoded(records, tokens, decoder, event_hash="sha256"):
+    """The columns of a launch decoded by ``decoder``, its stored blocks made."""
     launch = _Launch.__new__(_Launch)
     getattr(launch, decoder)(records, tokens, event_hash, digest_of_token, _UNIQUE_TOKENS, 0)
-    return {name: getattr(launch, name) for name in _Launch.__slots__}
+    columns = {name: getattr(launch, name) for name in _Launch.__slots__}
+    if launch.blocks is not None:
+        columns["blocks"] = launch.blocks.blocks(0, len(launch.block_lcs), 1)
+    return columns
 
 
 @pytest.mark.parametrize("seed", range(12))
