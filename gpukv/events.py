@@ -293,15 +293,15 @@ class KVCacheEventManager:
         decoded by ``_Launch``; what is left here is the order-dependent part
         of the rules (announcements, scopes, removal buffering, chains)."""
         scope_of = self._scope_of
-        fields, keys, spans = launch.fields, launch.keys, launch.spans
+        (kinds, life_cycles, old_levels, levels), keys, spans = launch.fields, launch.keys, launch.spans
         hashes, parent_keys, parent_hashes, at_roots, los, his = launch.headers
         blocks, block_lcs = launch.blocks, launch.block_lcs
-        i, h, n = 0, 0, len(fields)  # the record, and the stored header it is when it is one
+        i, h, n = 0, 0, len(kinds)  # the record, and the stored header it is when it is one
         rest = spans[0] if launch.store_lcs is not None else -1  # where a commit's second chain starts
         while i < n:
             if i == rest and self._store_chains(launch, i):
                 return
-            kind, lc, old_level, level = fields[i]
+            kind, lc = kinds[i], life_cycles[i]
             if kind == EV_STORED_BLOCK or kind == EV_STORED_LIFE_CYCLE:
                 if at_roots[h]:
                     parent_hash, scope = None, self._root_scope(parent_keys[h])
@@ -340,7 +340,8 @@ class KVCacheEventManager:
             elif kind == EV_REMOVED_LIFE_CYCLE:
                 self.add_removed_life_cycle_event(keys[i], lc)
             else:  # EV_UPDATED (_Launch keeps no other kind)
-                self.add_updated_event(keys[i], cache_level=Diff(old_level, level), priority=None, layer_group_id=lc)
+                self.add_updated_event(keys[i], cache_level=Diff(old_levels[i], levels[i]), priority=None,
+                                       layer_group_id=lc)
             i += 1
 
     def _store_chains(self, launch: "_Launch", first: int) -> bool:
@@ -816,9 +817,9 @@ _ROWS_MAX = 64
 
 class _Launch:
     """One launch's change log, decoded. ``fields``, ``keys`` and ``spans``:
-    for each record that can make an event, in log order, its ``[kind, life
-    cycle, old level, level]``, its block key, and how many records from it
-    on go in together (a chain of stores it starts, ``_continues_chain``, or
+    for each record that can make an event, in log order, its kind, life
+    cycle, old level and level (four columns), its block key, and how many
+    records from it on go in together (a chain of stores it starts, ``_continues_chain``, or
     a run of removals it starts; else 1; only a run's first record is read).
     ``headers``: columns with a row per stored header, in log order: block
     hash, parent key, parent hash, whether the parent is a root, and where
@@ -859,59 +860,62 @@ class _Launch:
                 raise ValueError(f"log record {first + i}: unknown kind {int(kinds[i])}")
             raise ValueError(f"log record {first + i}: a page info record without a stored header")
 
-        rows = records[role >= _EVENT]
-        self.fields = rows[:, _FIELDS].tolist()
+        events = (role >= _EVENT).nonzero()[0]  # the records that make events
+        rows = records[events]
+        self.fields = rows[:, _FIELDS].T.tolist()
         self.keys = _keys(rows, LOG_DIGEST)
         removal = rows[:, LOG_KIND] == EV_REMOVED
         removal[1:] &= removal[:-1]  # a removal joins the one before it
         if len(removal):
             removal[0] = False
         spans = _runs(removal) if removal.any() else np.ones(len(rows), dtype=np.int64)
-        headers = (role == _HEADER).nonzero()[0]
-        if not headers.size:
+        position = (role[events] == _HEADER).nonzero()[0]  # each stored header's, among the records that make events
+        if not position.size:
             self.spans = spans.tolist()
             self.headers, self.blocks, self.block_lcs, self.store_lcs = ((),) * 6, None, [], None
             return
-        h = records[headers]
+        stores_only = len(position) == len(events)  # a commit's launch: every record that makes an event stores
+        headers, h = (events, rows) if stores_only else (events[position], rows[position])
+        keys = self.keys if stores_only else [self.keys[p] for p in position.tolist()]
         # Covering page infos (they follow their header, ascending), and the
         # header each belongs to, as its index among the headers.
         covers = (is_info & (records[:, LOG_COVERS] != 0)).nonzero()[0]
         cover_of = headers.searchsorted(owner[covers])
         bounds = cover_of.searchsorted(np.arange(len(headers) + 1))
+        each = bounds[1:] - bounds[:-1]  # covering pages per header
         lcs, levels, priorities = records[covers][:, _PAGE].T.tolist()
-        keys, parent_keys = _keys(h, LOG_DIGEST), _keys(h, LOG_PARENT_DIGEST)
+        k = int(each[0])
+        # Every header covered in the same life cycles (the usual): they need no comparing.
+        alike = bool(k) and each.min() == each.max() and lcs == lcs[:k] * len(headers)
         hashes = _hashes(h, LOG_DIGEST, event_hash, keys)
         continues = None
         if len(headers) > 1:  # a chain of stores to find
             # The life cycles that cover each header, as bits (a config has few).
-            covered = np.bincount(cover_of, weights=np.exp2(records[covers, LOG_LIFE_CYCLE]), minlength=len(headers))
-            position = np.cumsum(role >= _EVENT)[headers] - 1  # among the records that make events
+            covered = None if alike else np.bincount(cover_of, weights=np.exp2(records[covers, LOG_LIFE_CYCLE]),
+                                                     minlength=len(headers))
             continues = _continues_chain(h, position, covered)
             if continues.any():
                 spans[position] = _runs(continues)
             else:
                 continues = None
         self.spans = spans.tolist()
-        self.headers = (hashes, parent_keys, _parent_hashes(h, event_hash, parent_keys, hashes, continues),
-                        h[:, LOG_PARENT_IS_ROOT].tolist(), bounds[:-1].tolist(), bounds[1:].tolist())
+        self.headers = (hashes, *_parents(h, event_hash, keys, hashes, continues), h[:, LOG_PARENT_IS_ROOT].tolist(),
+                        bounds[:-1].tolist(), bounds[1:].tolist())
         self.block_lcs = lcs
-        self.store_lcs = None
+        self.store_lcs = tuple(lcs[:k]) if alike and stores_only and (h[:, LOG_KIND] == EV_STORED_BLOCK).all() else None
         if not covers.size:
             self.blocks = None
             return
-        each = bounds[1:] - bounds[:-1]  # covering pages per header
-        k = int(each[0])
-        if (k and len(headers) == len(rows) and (h[:, LOG_KIND] == EV_STORED_BLOCK).all() and each.min() == each.max()
-                and (lcs == lcs[:k] * len(headers))):
-            self.store_lcs = tuple(lcs[:k])
         # Payloads only for the headers with a covering page: the others
         # announce nothing. Usually that is every header, with one page each.
-        wanted = None if len(covers) == len(headers) and each.all() else each.nonzero()[0]
-        at, counts = (h[:, LOG_TOKENS_AT], h[:, LOG_NUM_TOKENS]) if wanted is None else \
-            (h[wanted, LOG_TOKENS_AT], h[wanted, LOG_NUM_TOKENS])
-        tokens, mm_keys = _payloads(at, counts, log_tokens, digest_of_token, unique)
-        self.blocks = _StoredBlocks(hashes, None if wanted is None else wanted.tolist(), tokens, mm_keys,
-                                    cover_of.tolist(), levels, priorities)
+        if len(covers) == len(headers) and each.all():
+            tokens, mm_keys = _payloads(h[:, LOG_TOKENS_AT], h[:, LOG_NUM_TOKENS], log_tokens, digest_of_token, unique)
+            self.blocks = _StoredBlocks(hashes, None, tokens, mm_keys, None, levels, priorities)
+            return
+        wanted = each.nonzero()[0]
+        tokens, mm_keys = _payloads(h[wanted, LOG_TOKENS_AT], h[wanted, LOG_NUM_TOKENS], log_tokens, digest_of_token,
+                                    unique)
+        self.blocks = _StoredBlocks(hashes, wanted.tolist(), tokens, mm_keys, cover_of.tolist(), levels, priorities)
 
     def _rows(self, records, log_tokens, event_hash, digest_of_token, unique, first) -> None:
         fields, keys, spans = [], [], []
@@ -942,9 +946,10 @@ class _Launch:
                 heads.append(r)
                 head_at.append(len(fields))
             spans.append(1)
-            fields.append([kind, r[LOG_LIFE_CYCLE], r[LOG_OLD_LEVEL], r[LOG_LEVEL]])
+            fields.append((kind, r[LOG_LIFE_CYCLE], r[LOG_OLD_LEVEL], r[LOG_LEVEL]))
             keys.append(_KEY(*r[LOG_DIGEST : LOG_DIGEST + 4]))
-        self.fields, self.keys, self.spans = fields, keys, spans
+        self.fields = [list(column) for column in zip(*fields)] if fields else [[], [], [], []]
+        self.keys, self.spans = keys, spans
         if not heads:
             self.headers, self.blocks, self.block_lcs, self.store_lcs = ((),) * 6, None, [], None
             return
@@ -981,8 +986,10 @@ class _Launch:
         tokens, mm_keys = _payloads(np.array([heads[j][LOG_TOKENS_AT] for j in wanted]),
                                     np.array([heads[j][LOG_NUM_TOKENS] for j in wanted]),
                                     log_tokens, digest_of_token, unique)
-        self.blocks = _StoredBlocks(hashes, wanted if len(wanted) < len(heads) else None, tokens, mm_keys,
-                                    [c[0] for c in covers], [c[2] for c in covers], [c[3] for c in covers])
+        one_each = len(covers) == len(heads) == len(wanted)
+        self.blocks = _StoredBlocks(hashes, None if len(wanted) == len(heads) else wanted, tokens, mm_keys,
+                                    None if one_each else [c[0] for c in covers], [c[2] for c in covers],
+                                    [c[3] for c in covers])
 
 
 class _StoredBlocks:
@@ -999,10 +1006,11 @@ class _StoredBlocks:
 
     def __init__(self, hashes: list, wanted: list | None, tokens, mm_keys: list | None, cover_of: list,
                  levels: list, priorities: list):
-        """``cover_of``: each page's header; ``hashes``: by header;
+        """``cover_of``: each page's header (None: one page per header, in
+        order); ``hashes``: by header;
         ``tokens`` and ``mm_keys``: the payloads of the headers ``wanted``
         (all of them when None), or ``(_TokenRows, None)``, a row each."""
-        one_each = len(cover_of) == len(hashes) and wanted is None  # a page per header, in order: the usual
+        one_each = cover_of is None  # a page per header, in order: the usual
         self.hashes = hashes if one_each else [hashes[j] for j in cover_of]
         self.levels, self.priorities = levels, priorities
         if isinstance(tokens, _TokenRows):
@@ -1023,8 +1031,8 @@ class _StoredBlocks:
     def of(block_hash: EventHash, block: "LoggedBlock", covering: list) -> "_StoredBlocks":
         """The stored blocks of each covering page of one block."""
         tokens, mm_keys = _payload(block.tokens, _UNIQUE_TOKENS)
-        return _StoredBlocks([block_hash], None, [tokens] * len(covering), [mm_keys] * len(covering),
-                             [0] * len(covering), [page[1] for page in covering], [page[2] for page in covering])
+        return _StoredBlocks([block_hash], [0], [tokens], [mm_keys], [0] * len(covering), [page[1] for page in covering],
+                             [page[2] for page in covering])
 
     def blocks(self, start: int, stop: int, step: int) -> tuple:
         """The KVCacheStoredBlockData of the run."""
@@ -1048,20 +1056,22 @@ def _stored_last_hash(data: KVCacheStoredData) -> EventHash:
     return data.blocks[-1].block_hash if run is None or "blocks" in data.__dict__ else _last_hash(run)
 
 
-def _continues_chain(headers: np.ndarray, position: np.ndarray, covered: np.ndarray) -> np.ndarray:
+def _continues_chain(headers: np.ndarray, position: np.ndarray, covered: np.ndarray | None) -> np.ndarray:
     """Per stored header, whether it continues the chain of the one before:
     both are whole-block stores (EV_STORED_BLOCK), next to each other among
     the records that make events (``position``), covered in the same, not
-    no, life cycles (``covered``: their bits), and its parent is that
-    header's block. The first header continues nothing."""
+    no, life cycles (``covered``: their bits; None when every header is
+    covered in the same ones), and its parent is that header's block. The
+    first header continues nothing."""
     continues = np.zeros(len(headers), dtype=bool)
     store = headers[:, LOG_KIND] == EV_STORED_BLOCK
     continues[1:] = (
         store[1:] & store[:-1] & (position[1:] - position[:-1] == 1)
-        & (covered[1:] == covered[:-1]) & (covered[1:] != 0)
         & (headers[1:, LOG_PARENT_IS_ROOT] == 0)
         & (headers[1:, LOG_PARENT_DIGEST : LOG_PARENT_DIGEST + 4] == headers[:-1, LOG_DIGEST : LOG_DIGEST + 4]).all(axis=1)
     )
+    if covered is not None:
+        continues[1:] &= (covered[1:] == covered[:-1]) & (covered[1:] != 0)
     return continues
 
 
@@ -1091,17 +1101,20 @@ def _hashes(rows: np.ndarray, col: int, event_hash: str, keys: list) -> list:
     return list(map(bytes.hex, keys))
 
 
-def _parent_hashes(headers: np.ndarray, event_hash: str, parent_keys: list, hashes: list,
-                   continues: np.ndarray | None) -> list:
-    """``event_block_hash`` of each header's parent key: the hash of the
-    header before it where it continues that one's chain (``continues``),
-    made only for the others."""
-    if event_hash == "sha256_64" or continues is None:
-        return _hashes(headers, LOG_PARENT_DIGEST, event_hash, parent_keys)
-    out = [None, *hashes[:-1]]
-    for j in (~continues).nonzero()[0].tolist():
-        out[j] = parent_keys[j].hex()
-    return out
+def _parents(headers: np.ndarray, event_hash: str, keys: list, hashes: list, continues: np.ndarray | None) -> tuple:
+    """``(parent keys, parent hashes)`` of the headers: where a header
+    continues the chain of the one before (``continues``), that one's key and
+    hash; made from the log only for the others."""
+    if continues is None:
+        parent_keys = _keys(headers, LOG_PARENT_DIGEST)
+        return parent_keys, _hashes(headers, LOG_PARENT_DIGEST, event_hash, parent_keys)
+    starts = (~continues).nonzero()[0]
+    first = headers[starts]
+    first_keys = _keys(first, LOG_PARENT_DIGEST)
+    parent_keys, parent_hashes = [None, *keys[:-1]], [None, *hashes[:-1]]
+    for j, key, block_hash in zip(starts.tolist(), first_keys, _hashes(first, LOG_PARENT_DIGEST, event_hash, first_keys)):
+        parent_keys[j], parent_hashes[j] = key, block_hash
+    return parent_keys, parent_hashes
 
 
 def _payloads(at: np.ndarray, counts: np.ndarray, log_tokens: np.ndarray, digest_of_token,

@@ -62,8 +62,8 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from itertools import repeat
+from typing import NamedTuple
 
 from .core.config import KIND_FULL, KIND_SSM, KIND_SWA
 from .core.scope import ReuseScope
@@ -134,10 +134,10 @@ def router_lora_name(scope: ReuseScope | None, lora_names: Mapping[int, str] | N
 # ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Announced:
+class _Announced(NamedTuple):
     """What a router was told about one (block, group): enough to announce it
-    again on the other medium when its page moves between tiers."""
+    again on the other medium when its page moves between tiers. (A named
+    tuple: one is made per block published.)"""
 
     parent: int | None
     token_ids: tuple

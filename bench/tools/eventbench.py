@@ -1,7 +1,7 @@
 """The cost of KV cache events in a batched engine step.
 
     NUMBA_NUM_THREADS=1 python bench/tools/eventbench.py [--requests 400] [--batch 64] [--profile]
-    NUMBA_NUM_THREADS=1 python bench/tools/eventbench.py --requests 1600 --against HEAD~1 [--rounds 5]
+    NUMBA_NUM_THREADS=1 python bench/tools/eventbench.py --requests 1600 --against HEAD~1 [--rounds 5] [--clock thread]
 
 Drives one manager through the batched calls (``create_kv_caches``,
 ``resume_batch``, ``resize_batch``, ``commit_batch``, ``close_batch``) with
@@ -14,8 +14,15 @@ alone. ``--profile`` adds cProfile's top functions of the run with events on.
 revision REV (the rest of gpukv as it is), alternating events off, REV's
 manager and this one for ``--rounds`` rounds in one process (the machine's
 load drifts; alternating spreads it over all three), prints each one's first
-round (every token new to the process) and the range of the others, and
-checks, in one more run of each, that both managers emit the same events.
+round (every token new to the process) and the range of the others, the
+ratio of each step with events on to the step without them in the same round
+(median and range over the rounds after the first), and checks, in one more
+run of each, that both managers emit the same events (read whole: every
+block and token of theirs made).
+
+``--clock thread`` times the process's own thread (``time.thread_time``)
+instead of the wall clock: on a machine shared with other work, the time the
+step waits for a core is not its cost.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ def workload(n: int, seed: int = 0) -> list:
             .astype(np.int32) for _ in range(n)]
 
 
+clock = time.perf_counter  # --clock thread: time.thread_time
+
+
 class _Timed:
     """Wraps an event manager's ``on_records`` to add up the time it takes."""
 
@@ -52,11 +62,11 @@ class _Timed:
         inner = em.on_records
 
         def on_records(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
+                self.seconds += clock() - t0
 
         em.on_records = on_records
 
@@ -87,7 +97,7 @@ def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_
 
     drain()
     steps = 0
-    t0 = time.perf_counter()
+    t0 = clock()
     for at in range(0, len(prompts), batch):
         group = prompts[at:at + batch]
         kvs = mgr.create_kv_caches([p[:-1] for p in group])
@@ -107,7 +117,7 @@ def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_
         mgr.close_batch(kvs)
         drain()
         steps += 1
-    return time.perf_counter() - t0, steps, kept if keep else seen, timer.seconds if timer else 0.0
+    return clock() - t0, steps, kept if keep else seen, timer.seconds if timer else 0.0
 
 
 def manager_at(rev: str):
@@ -131,7 +141,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--against", metavar="REV", help="alternate with the event manager of git revision REV")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the alternation (--against)")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
     a = ap.parse_args()
+    global clock
+    clock = time.thread_time if a.clock == "thread" else time.perf_counter
     prompts = workload(a.requests)
     run(prompts[: a.batch], a.batch, True)  # warm up: kernel loads
     if a.against:
@@ -145,11 +158,14 @@ def main() -> None:
                 in_events[label].append(1e3 * translating / steps)
         # The first round apart: its event managers meet every token for the first time.
         spread = (lambda x: f"{x[0]:.2f} then {min(x[1:]):.2f}-{max(x[1:]):.2f}") if a.rounds > 1 else (lambda x: f"{x[0]:.2f}")
+        off = per_step["events off"]
         for label in variants:
             s, e = per_step[label], in_events[label]
             line = f"{label:>{max(map(len, variants))}}: step {spread(s)} ms"
             if variants[label][0]:
-                line += f", on_records {spread(e)} ms/step, {counts[label]} events"
+                ratios = [on / o for on, o in zip(s, off)][1:] or [s[0] / off[0]]
+                line += (f", on_records {spread(e)} ms/step, {counts[label]} events; x events off: "
+                         f"{np.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
             print(line)
         old, new = (run(prompts, a.batch, True, manager_class=cls, keep=True)[2] for cls in (before, None))
         print("same events" if old == new else f"DIFFERENT EVENTS: {len(old)} vs {len(new)}")
