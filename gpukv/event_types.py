@@ -137,12 +137,13 @@ class KVCacheEvent:
 
 # -- makers for the event manager ---------------------------------------------
 # A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``,
-# which costs as much as the rest of what the event manager does for a stored
-# block. These make the same objects (equal, hashing alike, the same repr,
+# which costs as much as the rest of what the event manager does for an event.
+# These make the same objects (equal, hashing alike, the same repr,
 # ``dataclasses`` functions and pickling: every field lives in the instance
-# ``__dict__``, as the constructor leaves it) by filling a new instance's
-# ``__dict__`` in one update. No class here defines ``__post_init__``, so they
-# skip nothing the constructor does.
+# ``__dict__``, as the constructor leaves it) by storing into a new
+# instance's ``__dict__``, field by field in the class's order (the dict then
+# shares its keys with the class's other instances). No class here defines
+# ``__post_init__``, so they skip nothing the constructor does.
 _new = object.__new__
 
 
@@ -150,8 +151,13 @@ def make_stored_block(block_hash: EventHash, tokens: tuple, cache_level: int, pr
                       mm_keys: tuple) -> KVCacheStoredBlockData:
     """``KVCacheStoredBlockData(block_hash, tokens, cache_level, priority, mm_keys)``."""
     block = _new(KVCacheStoredBlockData)
-    block.__dict__.update(block_hash=block_hash, tokens=tokens, cache_level=cache_level, priority=priority,
-                          mm_keys=mm_keys, cache_salt=None)
+    state = block.__dict__
+    state["block_hash"] = block_hash
+    state["tokens"] = tokens
+    state["cache_level"] = cache_level
+    state["priority"] = priority
+    state["mm_keys"] = mm_keys
+    state["cache_salt"] = None
     return block
 
 
@@ -161,8 +167,14 @@ def make_stored_block_of_row(block_hash: EventHash, token_rows, row: int, cache_
     are ``token_rows.tokens(row)``, made when first read. ``token_rows.ids[row]``:
     its token ids (``token_ids``)."""
     block = _new(KVCacheStoredBlockData)
-    block.__dict__.update(block_hash=block_hash, cache_level=cache_level, priority=priority, mm_keys=(),
-                          cache_salt=None, _token_rows=token_rows, _token_row=row)
+    state = block.__dict__
+    state["block_hash"] = block_hash
+    state["cache_level"] = cache_level
+    state["priority"] = priority
+    state["mm_keys"] = ()
+    state["cache_salt"] = None
+    state["_token_rows"] = token_rows
+    state["_token_row"] = row
     return block
 
 
@@ -179,7 +191,10 @@ def token_ids(block: KVCacheStoredBlockData) -> tuple:
 def make_stored_data(parent_hash: EventHash | None, blocks: tuple, scope: ReuseScope | None) -> KVCacheStoredData:
     """``KVCacheStoredData(parent_hash, blocks, scope)``."""
     data = _new(KVCacheStoredData)
-    data.__dict__.update(parent_hash=parent_hash, blocks=blocks, scope=scope)
+    state = data.__dict__
+    state["parent_hash"] = parent_hash
+    state["blocks"] = blocks
+    state["scope"] = scope
     return data
 
 
@@ -187,7 +202,10 @@ def make_stored_data_of(parent_hash: EventHash | None, run: tuple, scope: ReuseS
     """``make_stored_data`` whose blocks are ``source.blocks(start, stop,
     step)`` for ``run = (source, start, stop, step)``, made when first read."""
     data = _new(KVCacheStoredData)
-    data.__dict__.update(parent_hash=parent_hash, scope=scope, _blocks_of=run)
+    state = data.__dict__
+    state["parent_hash"] = parent_hash
+    state["scope"] = scope
+    state["_blocks_of"] = run
     return data
 
 
@@ -195,8 +213,13 @@ def make_event(event_id: int, data: EventData, window_size: int, hash_algo: str,
                layer_group_id: int | None) -> KVCacheEvent:
     """``KVCacheEvent(event_id, data, window_size, hash_algo, 0, layer_group_id)``."""
     event = _new(KVCacheEvent)
-    event.__dict__.update(event_id=event_id, data=data, window_size=window_size, hash_algo=hash_algo,
-                          attention_dp_rank=0, layer_group_id=layer_group_id)
+    state = event.__dict__
+    state["event_id"] = event_id
+    state["data"] = data
+    state["window_size"] = window_size
+    state["hash_algo"] = hash_algo
+    state["attention_dp_rank"] = 0
+    state["layer_group_id"] = layer_group_id
     return event
 
 

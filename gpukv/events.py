@@ -249,14 +249,14 @@ class KVCacheEventManager:
         per-group dicts, the buffered removals by length, the pending list by
         length and the entries a stored event may extend in place, and the
         event id."""
-        pending, stored, scope_of = self._pending, self._stored, self._scope_of
+        pending, stored, scope_of, latest = self._pending, self._stored, self._scope_of, self._latest_stored
         return (
             # None: none of the keys is announced (a commit's new blocks, the usual).
             None if stored.keys().isdisjoint(keys) else dict(zip(keys, map(stored.get, keys))), keys,
             dict(zip(keys, map(scope_of.get, keys))) if scope_of else None,
-            self._next_event_id, dict(self._latest_stored), dict(self._dropped_tail),
-            {g: (hashes, len(hashes)) for g, hashes in self._removed.items()},
-            pending, len(pending), {at: pending[at] for at in self._latest_stored.values()},
+            self._next_event_id, latest.copy(), self._dropped_tail.copy(),
+            {g: (hashes, len(hashes)) for g, hashes in self._removed.items()} if self._removed else {},
+            pending, len(pending), {at: pending[at] for at in latest.values()} if latest else {},
         )
 
     def _restore(self, saved: tuple) -> None:
