@@ -26,7 +26,7 @@ from gpukv.event_types import (
     token_ids,
 )
 from gpukv import sequence_to_blockchain_keys
-from tests.conftest import make_manager
+from tests.support.backends import make_manager
 
 T = 4
 
