@@ -2,6 +2,7 @@
 
     NUMBA_NUM_THREADS=1 python bench/tools/eventbench.py [--requests 400] [--batch 64] [--profile]
     NUMBA_NUM_THREADS=1 python bench/tools/eventbench.py --requests 1600 --against HEAD~1 [--rounds 5] [--clock thread]
+        [--publish]
 
 Drives one manager through the batched calls (``create_kv_caches``,
 ``resume_batch``, ``resize_batch``, ``commit_batch``, ``close_batch``) with
@@ -19,6 +20,13 @@ ratio of each step with events on to the step without them in the same round
 (median and range over the rounds after the first), and checks, in one more
 run of each, that both managers emit the same events (read whole: every
 block and token of theirs made).
+
+``--publish`` drains the events with a ``ZmqEventPublisher`` (the ``events``
+extra; an ``inproc`` endpoint, no subscriber) instead of
+``get_latest_events``: every step then also translates its events into
+vLLM's format, reading every stored block and its token ids, as a routed
+engine does. With ``--against``, REV's publisher translation
+(``zmq_events._Translator``) goes with REV's event manager.
 
 ``--clock thread`` times the process's own thread (``time.thread_time``)
 instead of the wall clock: on a machine shared with other work, the time the
@@ -71,12 +79,14 @@ class _Timed:
         em.on_records = on_records
 
 
-def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_class=None, keep=False) -> tuple:
+def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_class=None, keep=False,
+        publish=False, translator_class=None) -> tuple:
     """(seconds, steps, events, seconds in on_records) for the whole workload:
     the events themselves with ``keep``, else their count (holding every
     event would make the garbage collector's passes, and so the step, slower
-    than an engine that publishes and drops them). ``manager_class``
-    replaces the event manager (an older one)."""
+    than an engine that publishes and drops them); with ``publish``, the
+    batches published. ``manager_class`` replaces the event manager and
+    ``translator_class`` the publisher's translation (older ones)."""
     mgr = gpukv.KVCacheManager(gpukv.CacheConfig(
         tokens_per_block=T, layers=[gpukv.Attention()], pages_per_life_cycle=4000,
         max_kv_event_entries=10**6 if events else 0, backend="cpu"))
@@ -87,9 +97,18 @@ def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_
         mgr._events = mgr._launcher.events = swapped
     timer = _Timed(mgr._events) if events else None
     kept, seen = [], 0
+    if publish:
+        from gpukv.zmq_events import ZmqEventPublisher
+
+        publisher = ZmqEventPublisher(mgr, endpoint=f"inproc://eventbench-{id(mgr)}")
+        if translator_class is not None:
+            publisher._translator = translator_class(mgr.tokens_per_block, mgr.life_cycles, None)
 
     def drain():
         nonlocal seen
+        if publish:
+            seen += publisher.publish() is not None
+            return
         got = mgr.get_latest_events()
         seen += len(got)
         if keep:
@@ -117,21 +136,30 @@ def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_
         mgr.close_batch(kvs)
         drain()
         steps += 1
-    return clock() - t0, steps, kept if keep else seen, timer.seconds if timer else 0.0
+    seconds = clock() - t0
+    if publish:
+        publisher.close()
+    return seconds, steps, kept if keep else seen, timer.seconds if timer else 0.0
 
 
-def manager_at(rev: str):
-    """``KVCacheEventManager`` of gpukv/events.py at git revision ``rev``,
-    imported as a module of the installed gpukv package."""
+def module_at(rev: str, path: str):
+    """The gpukv module at ``path`` as it is at git revision ``rev``,
+    imported as a module of the installed gpukv package (the rest of gpukv
+    as it is)."""
     root = Path(gpukv.__file__).resolve().parent.parent
-    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:gpukv/events.py"],
+    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{path}"],
                             check=True, capture_output=True, text=True).stdout
-    name = "gpukv._events_at_" + "".join(c if c.isalnum() else "_" for c in rev)
+    name = f"gpukv._{Path(path).stem}_at_" + "".join(c if c.isalnum() else "_" for c in rev)
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     module.__package__ = "gpukv"
     sys.modules[name] = module
-    exec(compile(source, f"{rev}:gpukv/events.py", "exec"), module.__dict__)
-    return module.KVCacheEventManager
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
+    return module
+
+
+def manager_at(rev: str):
+    """``KVCacheEventManager`` of gpukv/events.py at git revision ``rev``."""
+    return module_at(rev, "gpukv/events.py").KVCacheEventManager
 
 
 def main() -> None:
@@ -142,18 +170,21 @@ def main() -> None:
     ap.add_argument("--against", metavar="REV", help="alternate with the event manager of git revision REV")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the alternation (--against)")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    ap.add_argument("--publish", action="store_true", help="drain with a ZmqEventPublisher")
     a = ap.parse_args()
     global clock
     clock = time.thread_time if a.clock == "thread" else time.perf_counter
     prompts = workload(a.requests)
-    run(prompts[: a.batch], a.batch, True)  # warm up: kernel loads
+    run(prompts[: a.batch], a.batch, True, publish=a.publish)  # warm up: kernel loads
+    on = "published" if a.publish else "events on"
     if a.against:
-        before = manager_at(a.against)
-        variants = {"events off": (False, None), f"events on, {a.against}": (True, before), "events on, now": (True, None)}
+        before = manager_at(a.against), module_at(a.against, "gpukv/zmq_events.py")._Translator if a.publish else None
+        variants = {"events off": (False, (None, None)), f"{on}, {a.against}": (True, before), f"{on}, now": (True, (None, None))}
         per_step, in_events, counts = {k: [] for k in variants}, {k: [] for k in variants}, {}
         for _ in range(a.rounds):
-            for label, (events, cls) in variants.items():
-                dt, steps, counts[label], translating = run(prompts, a.batch, events, manager_class=cls)
+            for label, (events, (manager, translator)) in variants.items():
+                dt, steps, counts[label], translating = run(prompts, a.batch, events, manager_class=manager,
+                                                            publish=a.publish and events, translator_class=translator)
                 per_step[label].append(1e3 * dt / steps)
                 in_events[label].append(1e3 * translating / steps)
         # The first round apart: its event managers meet every token for the first time.
@@ -164,22 +195,24 @@ def main() -> None:
             line = f"{label:>{max(map(len, variants))}}: step {spread(s)} ms"
             if variants[label][0]:
                 ratios = [on / o for on, o in zip(s, off)][1:] or [s[0] / off[0]]
-                line += (f", on_records {spread(e)} ms/step, {counts[label]} events; x events off: "
-                         f"{np.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
+                line += (f", on_records {spread(e)} ms/step, {counts[label]} {'batches' if a.publish else 'events'}; "
+                         f"x events off: {np.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
             print(line)
-        old, new = (run(prompts, a.batch, True, manager_class=cls, keep=True)[2] for cls in (before, None))
-        print("same events" if old == new else f"DIFFERENT EVENTS: {len(old)} vs {len(new)}")
-        if old != new:
-            sys.exit(1)
+        if not a.publish:
+            old, new = (run(prompts, a.batch, True, manager_class=cls, keep=True)[2] for cls in (before[0], None))
+            print("same events" if old == new else f"DIFFERENT EVENTS: {len(old)} vs {len(new)}")
+            if old != new:
+                sys.exit(1)
         return
     for events in (False, True):
-        dt, steps, seen, translating = run(prompts, a.batch, events)
-        print(f"events {'on ' if events else 'off'}: {dt:.3f} s, {steps} steps, {1e3 * dt / steps:.2f} ms/step, "
-              f"{seen} events" + (f", on_records {1e3 * translating / steps:.2f} ms/step" if events else ""))
+        dt, steps, seen, translating = run(prompts, a.batch, events, publish=a.publish and events)
+        print(f"{on if events else 'events off'}: {dt:.3f} s, {steps} steps, {1e3 * dt / steps:.2f} ms/step, "
+              f"{seen} {'batches' if a.publish else 'events'}"
+              + (f", on_records {1e3 * translating / steps:.2f} ms/step" if events else ""))
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()
-        run(prompts, a.batch, True)
+        run(prompts, a.batch, True, publish=a.publish)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
