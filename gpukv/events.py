@@ -44,10 +44,15 @@ layer group (None), and the byte order of ``sha256_64`` hashes.
 
 A launch's records are decoded as arrays (``_Launch``: kinds, keys, hashes,
 the covering pages and token payloads of every header, the chains of stores
-and runs of removals, each in a few operations), so what stays per record is
-the ordered part the rules need: dictionary lookups and the events
-themselves; a chain or a run of removals goes in at once. A launch applies
-whole or not at all (see ``on_records``).
+and runs of removals, each in a few operations; a launch of few records
+record by record, where that costs less), so what stays per record is the
+ordered part the rules need: dictionary lookups and the events themselves; a
+chain or a run of removals goes in at once, and the chains of a batched
+commit all at once (``_store_chains``). A stored event holds a run of its
+launch's stored blocks, kept as columns (``_StoredBlocks``), and makes their
+objects, and their blocks' token objects (``_TokenRows``), only when a
+consumer first reads them (event_types). A launch applies whole or not at
+all (see ``on_records``).
 
 The module is long because the event manager keeps the reference's operations
 one to one, and the four rules above only make sense read together.
@@ -73,7 +78,6 @@ from .event_types import (
     KVCacheCreatedData,
     KVCacheEvent,
     KVCacheRemovedData,
-    KVCacheStoredBlockData,
     KVCacheStoredData,
     KVCacheUpdatedData,
     UniqueToken,
