@@ -3,6 +3,8 @@
     NUMBA_NUM_THREADS=1 python bench/tools/eventbench.py [--requests 400] [--batch 64] [--profile]
     NUMBA_NUM_THREADS=1 python bench/tools/eventbench.py --requests 1600 --against HEAD~1 [--rounds 5] [--clock thread]
         [--publish]
+    valgrind --tool=callgrind --instr-atstart=no python bench/tools/eventbench.py --requests 1600 --against HEAD~1 \
+        --instructions
 
 Drives one manager through the batched calls (``create_kv_caches``,
 ``resume_batch``, ``resize_batch``, ``commit_batch``, ``close_batch``) with
@@ -28,6 +30,11 @@ vLLM's format, reading every stored block and its token ids, as a routed
 engine does. With ``--against``, REV's publisher translation
 (``zmq_events._Translator``) goes with REV's event manager.
 
+``--instructions`` counts, instead of timing, the instructions each variant's
+run executes (after one run of each to warm up), under valgrind's callgrind
+tool started with instrumentation off, as above: a count that the machine's
+other work does not change, though it leaves out what memory costs.
+
 ``--clock thread`` times the process's own thread (``time.thread_time``)
 instead of the wall clock: on a machine shared with other work, the time the
 step waits for a core is not its cost.
@@ -37,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import importlib.util
+import os
 import pstats
 import subprocess
 import sys
@@ -142,6 +151,24 @@ def run(prompts: list, batch: int, events: bool, decode_steps: int = 8, manager_
     return seconds, steps, kept if keep else seen, timer.seconds if timer else 0.0
 
 
+def _callgrind(*args: str) -> str:
+    """``callgrind_control`` on this process (run under callgrind)."""
+    done = subprocess.run(["callgrind_control", *args, str(os.getpid())], capture_output=True, text=True)
+    if done.returncode or "not detected" in done.stdout + done.stderr:
+        raise SystemExit("--instructions: run under valgrind --tool=callgrind --instr-atstart=no")
+    return done.stdout
+
+
+def instructions(fn) -> int:
+    """Instructions executed by ``fn()`` (callgrind's counters, zeroed first)."""
+    _callgrind("-z")
+    _callgrind("-i", "on")
+    fn()
+    _callgrind("-i", "off")
+    return sum(int(line.split()[-1].replace(",", "")) for line in _callgrind("-e", "Ir").splitlines()
+               if line.strip().startswith("Th "))
+
+
 def module_at(rev: str, path: str):
     """The gpukv module at ``path`` as it is at git revision ``rev``,
     imported as a module of the installed gpukv package (the rest of gpukv
@@ -171,6 +198,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the alternation (--against)")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
     ap.add_argument("--publish", action="store_true", help="drain with a ZmqEventPublisher")
+    ap.add_argument("--instructions", action="store_true", help="count instructions (under callgrind), with --against")
     a = ap.parse_args()
     global clock
     clock = time.thread_time if a.clock == "thread" else time.perf_counter
@@ -180,6 +208,16 @@ def main() -> None:
     if a.against:
         before = manager_at(a.against), module_at(a.against, "gpukv/zmq_events.py")._Translator if a.publish else None
         variants = {"events off": (False, (None, None)), f"{on}, {a.against}": (True, before), f"{on}, now": (True, (None, None))}
+        if a.instructions:
+            runs = {label: functools.partial(run, prompts, a.batch, events, manager_class=manager,
+                                             publish=a.publish and events, translator_class=translator)
+                    for label, (events, (manager, translator)) in variants.items()}
+            steps = [warm() for warm in runs.values()][0][1]
+            counted = {label: instructions(fn) / steps for label, fn in runs.items()}
+            for label, n in counted.items():
+                print(f"{label:>{max(map(len, variants))}}: {n / 1e6:.2f} M instructions per step, "
+                      f"x events off: {n / counted['events off']:.2f}")
+            return
         per_step, in_events, counts = {k: [] for k in variants}, {k: [] for k in variants}, {}
         for _ in range(a.rounds):
             for label, (events, (manager, translator)) in variants.items():
