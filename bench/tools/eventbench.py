@@ -164,9 +164,9 @@ def instructions(fn) -> int:
     _callgrind("-z")
     _callgrind("-i", "on")
     fn()
+    counters = _callgrind("-e", "Ir")  # read while counting: callgrind shows nothing once off
     _callgrind("-i", "off")
-    return sum(int(line.split()[-1].replace(",", "")) for line in _callgrind("-e", "Ir").splitlines()
-               if line.strip().startswith("Th "))
+    return sum(int(line.split()[-1].replace(",", "")) for line in counters.splitlines() if line.strip().startswith("Th "))
 
 
 def module_at(rev: str, path: str):
