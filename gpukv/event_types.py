@@ -188,6 +188,19 @@ def token_ids(block: KVCacheStoredBlockData) -> tuple:
     return tuple(token.token_id for token in block.tokens)
 
 
+def stored_columns(data: KVCacheStoredData) -> tuple | None:
+    """``(block hashes, token ids, cache levels)`` of a stored event's blocks,
+    a list each (token ids: a tuple per block, ints and hex strings), read
+    from its launch's columns without making its blocks; None once they are
+    made, or when the event never held a run (``make_stored_data_of``)."""
+    state = data.__dict__
+    run = state.get("_blocks_of")
+    if run is None or "blocks" in state:
+        return None
+    source, start, stop, step = run
+    return source.columns(start, stop, step)
+
+
 def make_stored_data(parent_hash: EventHash | None, blocks: tuple, scope: ReuseScope | None) -> KVCacheStoredData:
     """``KVCacheStoredData(parent_hash, blocks, scope)``."""
     data = _new(KVCacheStoredData)

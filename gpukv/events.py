@@ -1038,6 +1038,15 @@ class _StoredBlocks:
         return _StoredBlocks([block_hash], [0], [tokens], [mm_keys], [0] * len(covering), [page[1] for page in covering],
                              [page[2] for page in covering])
 
+    def columns(self, start: int, stop: int, step: int) -> tuple:
+        """``(hashes, token ids, levels)`` of the run (``stored_columns``)."""
+        run = slice(start, stop, step)
+        if self.token_rows is not None:
+            token_ids = list(map(tuple, self.token_rows.ids[np.asarray(self.rows[run])].tolist()))
+        else:
+            token_ids = [tuple(token.token_id for token in tokens) for tokens in self.tokens[run]]
+        return self.hashes[run], token_ids, self.levels[run]
+
     def blocks(self, start: int, stop: int, step: int) -> tuple:
         """The KVCacheStoredBlockData of the run."""
         run = slice(start, stop, step)

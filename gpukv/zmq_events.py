@@ -73,6 +73,7 @@ from .event_types import (
     KVCacheStoredData,
     KVCacheUpdatedData,
 )
+from .event_types import stored_columns
 from .event_types import token_ids as event_token_ids
 
 try:
@@ -193,19 +194,24 @@ class _Translator:
         out: list[dict] = []
         run: list = []  # consecutive blocks on one medium: one BlockStored
         run_parent = parent
-        for block in data.blocks:
+        # The blocks' columns, read without making block or token objects the
+        # event manager has not made.
+        columns = stored_columns(data)
+        if columns is None:
+            blocks = data.blocks
+            columns = ([b.block_hash for b in blocks], list(map(event_token_ids, blocks)), [b.cache_level for b in blocks])
+        for block_hash, token_ids, level in zip(*columns):
             if chained and parent is not None and (parent, group) not in self.announced:
                 break  # a chain a router could not attach (its parent was not announced here)
-            token_ids = event_token_ids(block)  # the ids, without making token objects the manager has not made
             if len(token_ids) != self.T or not all(map(isinstance, token_ids, repeat(int))):
                 break  # a partial block (always a chain's last), or multimodal digest tokens
-            medium = _MEDIUMS[block.cache_level] if 0 <= block.cache_level < len(_MEDIUMS) else None
+            medium = _MEDIUMS[level] if 0 <= level < len(_MEDIUMS) else None
             if medium is None:
                 break
             if run and run[-1][2] != medium:
                 out.append(self._stored(run, run_parent, group, lora_id, lora_name))
                 run, run_parent = [], parent
-            h = _int_hash(block.block_hash)
+            h = _int_hash(block_hash)
             self.announced[(h, group)] = _Announced(parent, token_ids, lora_id, lora_name, medium)
             run.append((h, token_ids, medium))
             parent = h

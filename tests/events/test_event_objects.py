@@ -23,6 +23,7 @@ from gpukv.event_types import (
     make_event,
     make_stored_block,
     make_stored_data,
+    stored_columns,
     token_ids,
 )
 from gpukv import sequence_to_blockchain_keys
@@ -63,6 +64,18 @@ def test_blocks_and_tokens_are_made_when_first_read_and_kept():
     first = blocks[0].tokens
     assert first == tuple(UniqueToken(t) for t in tokens[:T]) and blocks[0].tokens is first
     assert token_ids(blocks[0]) == tuple(tokens[:T])
+
+
+def test_a_stored_events_columns_are_its_blocks_read_without_making_them():
+    tokens = list(range(30, 42))
+    (event,) = stored_events(tokens)
+    hashes, ids, levels = stored_columns(event.data)
+    assert "blocks" not in vars(event.data)
+    blocks = event.data.blocks
+    assert hashes == [b.block_hash for b in blocks]
+    assert ids == [tuple(t.token_id for t in b.tokens) for b in blocks] == [tuple(tokens[i:i + T]) for i in range(0, 12, T)]
+    assert levels == [b.cache_level for b in blocks]
+    assert stored_columns(event.data) is None  # made now: read the blocks
 
 
 @pytest.mark.parametrize("read_first", [False, True], ids=["unread", "read"])
