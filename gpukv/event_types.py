@@ -164,8 +164,8 @@ def make_stored_block(block_hash: EventHash, tokens: tuple, cache_level: int, pr
 def make_stored_block_of_row(block_hash: EventHash, token_rows, row: int, cache_level: int,
                              priority: int) -> KVCacheStoredBlockData:
     """``make_stored_block`` of a block without multimodal tokens whose tokens
-    are ``token_rows.tokens(row)``, made when first read. ``token_rows.ids[row]``:
-    its token ids (``token_ids``)."""
+    are ``token_rows.tokens(row)``, made when first read, and its token ids
+    ``token_rows.token_ids(row)`` (``token_ids``)."""
     block = _new(KVCacheStoredBlockData)
     state = block.__dict__
     state["block_hash"] = block_hash
@@ -184,7 +184,7 @@ def token_ids(block: KVCacheStoredBlockData) -> tuple:
     made (``make_stored_block_of_row``)."""
     state = block.__dict__
     if "tokens" not in state and "_token_rows" in state:
-        return tuple(state["_token_rows"].ids[state["_token_row"]].tolist())
+        return state["_token_rows"].token_ids(state["_token_row"])
     return tuple(token.token_id for token in block.tokens)
 
 

@@ -767,26 +767,42 @@ _UNIQUE_TOKENS = _UniqueTokens()
 
 
 class _TokenRows:
-    """The token ids of a launch's stored blocks (rows of plain ids, each
-    its block's full list), and their UniqueToken tuples, made all at once
-    when a block's ``tokens`` is first read (``make_stored_block_of_row``).
+    """The token ids of a launch's stored blocks (rows of plain ids; a row
+    past its block's count holds zeros), and their UniqueToken tuples, made
+    all at once when a block's ``tokens`` is first read
+    (``make_stored_block_of_row``).
     Most of the cost of a stored block was its tuple of token objects (a
     gather of pointers to objects all over memory, then their tuple); a
     consumer that reads the ids (``event_types.token_ids``, the ZMQ
     publisher) or does not read the blocks never pays it, and one that reads
     them pays it once per launch, not once per block."""
 
-    __slots__ = ("ids", "_tuples")
+    __slots__ = ("ids", "counts", "_tuples")
 
-    def __init__(self, ids: np.ndarray):
+    def __init__(self, ids: np.ndarray, counts: list | None):
         self.ids = ids  # [blocks, tokens] int32, a copy of the log's rows
+        self.counts = counts  # each row's token count; None when every row is full
         self._tuples = None
 
     def tokens(self, row: int) -> tuple:
         tuples = self._tuples
         if tuples is None:  # made again by a racing thread: equal tuples, one kept
-            tuples = self._tuples = _UNIQUE_TOKENS.rows(self.ids, int(self.ids.max()))
+            tuples = _UNIQUE_TOKENS.rows(self.ids, int(self.ids.max()))
+            if self.counts is not None:
+                tuples = [t[:n] for t, n in zip(tuples, self.counts)]
+            self._tuples = tuples
         return tuples[row]
+
+    def token_ids(self, rows):
+        """The token ids of row ``rows`` (a tuple), or of each of the rows
+        ``rows`` (a sequence: a list of tuples)."""
+        if isinstance(rows, int):
+            ids = self.ids[rows].tolist()
+            return tuple(ids if self.counts is None else ids[: self.counts[rows]])
+        ids = self.ids[np.asarray(rows)].tolist()
+        if self.counts is None:
+            return list(map(tuple, ids))
+        return [tuple(row[:n]) for row, n in zip(ids, map(self.counts.__getitem__, rows))]
 
 
 def _payload(tokens, unique: _UniqueTokens) -> tuple:
@@ -1042,7 +1058,7 @@ class _StoredBlocks:
         """``(hashes, token ids, levels)`` of the run (``stored_columns``)."""
         run = slice(start, stop, step)
         if self.token_rows is not None:
-            token_ids = list(map(tuple, self.token_rows.ids[np.asarray(self.rows[run])].tolist()))
+            token_ids = self.token_rows.token_ids(self.rows[run])
         else:
             token_ids = [tuple(token.token_id for token in tokens) for tokens in self.tokens[run]]
         return self.hashes[run], token_ids, self.levels[run]
@@ -1135,17 +1151,17 @@ def _payloads(at: np.ndarray, counts: np.ndarray, log_tokens: np.ndarray, digest
     """``(tokens, mm_keys)``: the payloads (``_payload``) of the blocks whose
     token rows are ``log_tokens[at]``, of ``counts`` tokens each: the rows of
     plain token ids in one gather, the multimodal ones (negative ids stand
-    for interned digests) and any other token by token. When every row is
-    a full one of plain ids (the usual launch): ``(_TokenRows, None)``, the
-    tokens made when read."""
+    for interned digests) and any other token by token. When every row holds
+    plain ids (the usual launch): ``(_TokenRows, None)``, the tokens made
+    when read."""
     rows = np.asarray(log_tokens)[at]
     width = rows.shape[1]
     full = int(counts.min()) >= width
     if not full:  # the tokens past a block's count are not its own: read as 0
         rows = np.where(np.arange(width) < counts[:, None], rows, 0)
     top = int(rows.max())
-    if full and top < _TABLE_TOKENS_MAX and rows.min() >= 0:  # the usual launch: tokens made when read
-        return _TokenRows(rows), None
+    if top < _TABLE_TOKENS_MAX and rows.min() >= 0:  # plain ids (the usual launch): tokens made when read
+        return _TokenRows(rows, None if full else counts.tolist()), None
     tokens, mm_keys = [None] * len(rows), [()] * len(rows)
     plain = ((rows >= 0) & (rows < _TABLE_TOKENS_MAX)).all(axis=1)
     if plain.any():
