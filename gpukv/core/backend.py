@@ -301,25 +301,19 @@ def swap_simulated_stream(stream):
 def device_jit(target: str, inline: bool = True):
     """The decorator that turns a plain per-item helper into target code.
 
-    ``cpu``: a ``numba.njit`` function, inlined into its callers unless
-    ``inline=False`` (large or much-called, rarely hot helpers compile faster
-    as calls: one copy is compiled instead of one per call site). Only
-    kernels are cached on disk (``bind_globals``); a cached kernel carries the
-    compiled code of every helper it calls.
+    ``cpu``: a helper compiled once per process and argument types, inlined
+    into its callers unless ``inline=False`` (large, rarely hot helpers stay
+    calls: one copy in the kernel instead of one per call site); see
+    ``cpu_helpers.py``. Only kernels are cached on disk (``bind_globals``);
+    a cached kernel carries the compiled code of every helper it calls.
     ``cuda``: a ``numba.cuda.jit(device=True)`` function.
     Helpers refer to each other through the closure of the builder that
     decorates them, so one Python source serves both targets.
     """
     if target == "cpu":
-        from numba import njit
+        from .cpu_helpers import helper_jit
 
-        if inline:
-            return lambda f: njit(inline="always", nogil=True)(f)
-        # A call has no reference counting either, as the kernels that call
-        # it (``cpu_kernel``): helpers allocate nothing, and with it every
-        # read of a table through the tuple of arrays costs an atomic
-        # increment and decrement.
-        return lambda f: njit(inline="never", nogil=True, _nrt=False)(f)
+        return lambda f: helper_jit(f, inline)
     if target == "cuda":
         from numba import cuda
 

@@ -1,8 +1,9 @@
 """How kernel helpers are composed: plain module-level functions, linked per target.
 
 Every kernel helper is an ordinary module-level Python function marked with
-``@helper`` (inlined into its callers on ``cpu``) or ``@helper(inline=False)``
-(a call: large helpers that are rarely hot compile faster that way). A helper
+``@helper`` (inlined into its callers) or ``@helper(inline=False)`` (a call:
+large helpers that are rarely hot, one copy in the kernel instead of one per
+call site, which LLVM optimises and compiles faster). A helper
 calls another helper of any module by its plain name, imported as usual, so
 the code reads, greps and lints like ordinary Python.
 
@@ -16,7 +17,9 @@ module-level functions too, bound the same way (``linked.kernel``) and cached
 on disk by ``backend.cpu_kernel``.
 
 Compilation is lazy: a helper is compiled when the first kernel that calls it
-is, so a target never compiles helpers only the other target uses.
+is, so a target never compiles helpers only the other target uses. On
+``cpu`` a helper is compiled once per process and argument types, and the
+kernels of one process share it (``core/cpu_helpers.py``).
 """
 
 from __future__ import annotations
