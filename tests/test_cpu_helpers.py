@@ -1,6 +1,6 @@
 """Kernel helpers on ``cpu`` (``core/cpu_helpers.py``): each compiled once for
-widened argument types, never on its own into machine code, inlined into its
-kernel when marked so, and refused when called from Python."""
+widened argument types, inlined into its kernel when marked so, and refused
+when called from Python."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_a_helper_called_from_python_is_refused_with_its_name(inline):
         shifted(np.zeros(1, dtype=np.int64), 1)
 
 
-def test_a_helper_becomes_machine_code_only_inside_its_kernel():
+def test_an_inline_helper_is_marked_for_llvm_to_inline_and_a_call_is_not():
     scaled, shifted = _helpers(inline=True)
     _, called = _helpers(inline=False)
 
@@ -69,10 +69,7 @@ def test_a_helper_becomes_machine_code_only_inside_its_kernel():
         return shifted(a, 3) + called(a, 1)
 
     assert kernel(np.array([2], dtype=np.int64)) == (2 * 3 + 3) + (2 * 1 + 1)
-    engine = kernel.overloads[kernel.signatures[0]].library.codegen._engine
     for h, inlined in ((scaled, True), (shifted, True), (called, False)):
         cres = h.overloads[h.signatures[0]]
-        name = cres.fndesc.llvm_func_name
-        assert not engine.is_symbol_defined(name)  # no machine code of its own
-        f = cres.library._final_module.get_function(name)  # but its IR, for the kernels that link it
-        assert (b"alwaysinline" in list(f.attributes)) == inlined  # LLVM inlines it where the kernel is optimised
+        f = cres.library.get_function(cres.fndesc.llvm_func_name)
+        assert any(b"alwaysinline" in a.split() for a in f.attributes) == inlined
