@@ -20,12 +20,11 @@ from .kernel_cache import KERNEL_NAMES, missing
 # What a compile job runs: the kernels named, each called once on a manager
 # of the job's own that calls no other kernel, so jobs compile in parallel
 # processes without doing each other's work. A job of several kernels
-# compiles the helpers they share once: the tree kernel shares most of its
-# helpers with the sequence kernels, and after the sizing kernel it costs
-# about 24 s of CPU instead of 40. On two cores the commit kernel (about
-# 85 s of CPU) runs beside sizing + tree (about 80 s), and match (14 s)
-# follows the first to finish (docs/performance.md, "Cold start"). Listed
-# longest first.
+# compiles the helpers they share once (a helper is compiled once per
+# process, core/cpu_helpers.py): the tree kernel shares most of its helpers
+# with the sequence kernels. On two cores the commit kernel (about 33 s of
+# CPU) runs beside sizing + tree (about 28 s), and match (5 s) follows the
+# first to finish (docs/performance.md, "Cold start"). Listed longest first.
 JOBS = {"commit": ("commit",), "seq": ("seq", "tree"), "match": ("hash", "match", "compact")}
 
 
