@@ -670,20 +670,7 @@ class CacheCalls:
         """``commit`` of ``count`` tokens of ``flat`` each (in order; for one
         cache all of them), ``end`` its ``is_end``; ``interned()``: ``flat``
         again with its digests interned (None: it holds none)."""
-        T = self.T
-        n0, state, cap, h, full, nb = self._scalars(
-            slots, Q_COMMITTED, Q_COMMIT_STATE, Q_CAPACITY, Q_HISTORY, Q_COMMITTED_BLOCKS, Q_NUM_BLOCKS)
-        n1 = n0 + count
-        some = count > 0
-        naming.check(some & (state == USER_STOP), LogicError, "Cannot commit tokens after stop_committing()")
-        naming.check(some & (n1 > cap), ValueError, "committing {} tokens would pass the capacity ({} > {})",
-                     count, n1, cap)
-        if self.config.commit_min_snapshot:
-            naming.check(some & (h != n0) & (h != n1), ValueError,
-                         "commit_min_snapshot: history_length ({}) must equal the committed length before ({}) or "
-                         "after ({}) the commit of {} tokens", h, n0, n1, count)
-        if interned is not None:
-            flat = interned()
+        flat, n0, n1, some, cap, h, full, nb = self._checked_commit(naming, slots, flat, count, interned)
         # No tokens and no end: nothing to do (a stop is a commit of none that ends).
         run = some | end
         if type(run) is not _ARRAY:
@@ -694,36 +681,17 @@ class CacheCalls:
             if picked is None:
                 return
             slots, n0, n1, count, end, some, full, nb = picked
-        blocks = _where(some, -(-n1 // T), nb)
-        # Only a commit that completes a block, snapshots a partial one or
-        # ends the sequence adds to the tree: for it the new blocks and a
-        # re-attached chain (the whole committed chain, in case it was
-        # detached meanwhile), announcements per life cycle; for a stop its
-        # pending tail. Most decode commits complete no block and reserve
-        # nothing: room is for the blocks a call can touch, so a decode step
-        # over a large batch reserves no block rows or log tokens for the
-        # chains its caches already committed.
-        grows = (n1 // T > full) | end
-        if self.config.commit_min_snapshot:
-            grows = grows | (n1 % T != 0)
-        rows = grows * _where(some, blocks + 2, _STOP_ROWS)
-        announced = grows * _where(some, log_tokens_rows_for(blocks, self.L), _stop_announced(nb))
-        # The rest only raise their history: per life cycle at most the
-        # blocks that many tokens make stale.
-        span = _where(grows, blocks, count // T + 2)
+        rows, announced, span = self._commit_room(n1, count, end, some, full, nb)
         self._reserve_and_launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end),
-                                 rows=_total(rows), announced=announced, span=span, allocated=2 * some, tokens=flat,
+                                 rows=rows, announced=announced, span=span, allocated=2 * some, tokens=flat,
                                  tokens_off=_offsets(count) if is_batch(count) else None)
 
-    def _append(self, naming, slots, flat, count, end, room, interned):
-        """``append`` of ``count`` tokens of ``flat`` to each cache (in order;
-        for one cache all of them), ``end`` its ``is_end``: the commit, then,
-        unless it ends, a resize to whole blocks past ``room`` more tokens
-        where the capacity is short, the history as the commit leaves it; in
-        one launch. True where the room is there, False where a pool was
-        short for it: the commit stays and the capacity is as it was, as
-        ``commit`` then ``resize`` one by one leave them."""
-        T = self.T
+    def _checked_commit(self, naming, slots, flat, count, interned):
+        """What a commit of ``count`` tokens to each cache checks first (``_commit``
+        and ``_append``): ``(flat, n0, n1, some, cap, h, full, nb)``, the
+        committed length before and after, whether any token comes, the
+        capacity, the history, the committed and the held blocks, and ``flat``
+        with its digests interned."""
         n0, state, cap, h, full, nb = self._scalars(
             slots, Q_COMMITTED, Q_COMMIT_STATE, Q_CAPACITY, Q_HISTORY, Q_COMMITTED_BLOCKS, Q_NUM_BLOCKS)
         n1 = n0 + count
@@ -737,6 +705,40 @@ class CacheCalls:
                          "after ({}) the commit of {} tokens", h, n0, n1, count)
         if interned is not None:
             flat = interned()
+        return flat, n0, n1, some, cap, h, full, nb
+
+    def _commit_room(self, n1, count, end, some, full, nb):
+        """The table room of a commit that ends at ``n1`` tokens: ``(rows,
+        announced, span)`` as ``_reserve_and_launch`` takes them.
+
+        Only a commit that completes a block, snapshots a partial one or ends
+        the sequence adds to the tree: for it the new blocks and a re-attached
+        chain (the whole committed chain, in case it was detached meanwhile),
+        announcements per life cycle; for a stop its pending tail. Most decode
+        commits complete no block and reserve nothing: room is for the blocks
+        a call can touch, so a decode step over a large batch reserves no block
+        rows or log tokens for the chains its caches already committed. The
+        rest only raise their history: per life cycle at most the blocks that
+        many tokens make stale."""
+        T = self.T
+        blocks = _where(some, -(-n1 // T), nb)
+        grows = (n1 // T > full) | end
+        if self.config.commit_min_snapshot:
+            grows = grows | (n1 % T != 0)
+        rows = grows * _where(some, blocks + 2, _STOP_ROWS)
+        announced = grows * _where(some, log_tokens_rows_for(blocks, self.L), _stop_announced(nb))
+        return _total(rows), announced, _where(grows, blocks, count // T + 2)
+
+    def _append(self, naming, slots, flat, count, end, room, interned):
+        """``append`` of ``count`` tokens of ``flat`` to each cache (in order;
+        for one cache all of them), ``end`` its ``is_end``: the commit, then,
+        unless it ends, a resize to whole blocks past ``room`` more tokens
+        where the capacity is short, the history as the commit leaves it; in
+        one launch. True where the room is there, False where a pool was
+        short for it: the commit stays and the capacity is as it was, as
+        ``commit`` then ``resize`` one by one leave them."""
+        T = self.T
+        flat, n0, n1, some, cap, h, full, nb = self._checked_commit(naming, slots, flat, count, interned)
         want = n1 + room
         blocks = _max(nb, -(-want // T))  # once the room is made
         # A room no pool could ever give is not asked for, as resize refuses
@@ -752,18 +754,13 @@ class CacheCalls:
             flat = flat[ranges(_offsets(count)[go], count[go])]
         slots, n0, n1, count, end, some, full, nb, blocks, resizing, room = picked
         reserved = self.pool.seg[slots, 1].copy() if type(slots) is _ARRAY else int(self.pool.seg[slots, 1])
-        # The room of the commit, as ``_commit`` counts it, and of the resize
-        # where there is one: its new blocks' segment rows, priorities and pages.
-        committed = _where(some, -(-n1 // T), nb)
-        grows = (n1 // T > full) | end
-        if self.config.commit_min_snapshot:
-            grows = grows | (n1 % T != 0)
+        # The room of the commit, and of the resize where there is one: its
+        # new blocks' segment rows, priorities and pages.
+        rows, announced, span = self._commit_room(n1, count, end, some, full, nb)
         new = blocks - nb
         self._reserve_and_launch(
             naming, slots, SEQ_APPEND, (n0, count, end, _where(resizing, room, 0)), segment=blocks, priorities=blocks,
-            rows=_total(grows * _where(some, committed + 2, _STOP_ROWS)),
-            announced=grows * _where(some, log_tokens_rows_for(committed, self.L), _stop_announced(nb)),
-            span=_where(grows, committed, count // T + 2) + new,
+            rows=rows, announced=announced, span=span + new,
             allocated=_where(resizing, new + self.pool.scratch_width + 1, 0) + 2 * some,
             tokens=flat, tokens_off=_offsets(count) if type(count) is _ARRAY else None)
         ok = self.pool.host_scalars[slots, Q_RESULT] != 0

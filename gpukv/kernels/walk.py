@@ -95,12 +95,7 @@ def prefetch_row(S, r):
     fields and the tokens (rows do not start on cache lines)."""
     prefetch2(S.blocks, r, BLK_KEY)
     prefetch2(S.blocks, r, BLK_HASH_NEXT)
-    T = S.tokens.shape[1]
-    k = 0
-    while k < T:
-        prefetch2(S.tokens, r, k)
-        k += 16
-    prefetch2(S.tokens, r, T - 1)
+    prefetch_row_tokens(S, r)
 
 
 @helper
@@ -109,12 +104,18 @@ def prefetch_run_row(S, r):
     if r < S.blocks.shape[0]:
         prefetch2(S.blocks, r, BLK_PARENT)
         prefetch2(S.blocks, r, BLK_FLAGS)
-        T = S.tokens.shape[1]
-        k = 0
-        while k < T:
-            prefetch2(S.tokens, r, k)
-            k += 16
-        prefetch2(S.tokens, r, T - 1)
+        prefetch_row_tokens(S, r)
+
+
+@helper
+def prefetch_row_tokens(S, r):
+    """Every cache line of row ``r``'s tokens (16 int32 to a line)."""
+    T = S.tokens.shape[1]
+    k = 0
+    while k < T:
+        prefetch2(S.tokens, r, k)
+        k += 16
+    prefetch2(S.tokens, r, T - 1)
 
 
 @helper
