@@ -199,7 +199,7 @@ def pools_can_hold(rules, T: int, have, blocks, history):
         if window:
             start = _min(-(-history // T), sinks)
             first_new = _max(have, _max(start, (history + 1 - window) // T))
-        ok = ok & (blocks - first_new <= pool)
+        ok = _both(ok, blocks - first_new <= pool)
     return ok
 
 
@@ -518,7 +518,7 @@ class CacheCalls:
         if n == 1:
             self._commit(naming, int(slots[0]), flat, int(offsets[1]), bool(_at(end, 0)), interned)
         else:
-            self._commit(naming, slots, flat, np.diff(offsets), end, interned, offsets)
+            self._commit(naming, slots, flat, offsets[1:] - offsets[:-1], end, interned, offsets)
 
     def append(self, caches, tokens, room, is_end=False) -> np.ndarray:
         naming = Entries("append_batch()")
@@ -538,7 +538,7 @@ class CacheCalls:
                                           int(_at(room, 0)), interned)])
         if not n:
             return np.zeros(0, dtype=bool)
-        return self._append(naming, slots, flat, np.diff(offsets), end, room, interned, offsets)
+        return self._append(naming, slots, flat, offsets[1:] - offsets[:-1], end, room, interned, offsets)
 
     def close(self, caches, evict_first=False) -> None:
         naming = Entries("close_batch()")
@@ -731,7 +731,7 @@ class CacheCalls:
                 offsets = _offsets(count)
         if offsets is None and type(count) is _ARRAY:
             offsets = _offsets(count)
-        blocks = _where(some, -(-n1 // T), nb)
+        blocks = _where(some, (n1 + (T - 1)) // T, nb)
         # Only a commit that completes a block, snapshots a partial one or
         # ends the sequence adds to the tree: for it the new blocks and a
         # re-attached chain (the whole committed chain, in case it was
@@ -740,7 +740,7 @@ class CacheCalls:
         # nothing: room is for the blocks a call can touch, so a decode step
         # over a large batch reserves no block rows or log tokens for the
         # chains its caches already committed.
-        grows = (n1 // T > full) | end
+        grows = n1 // T > full if end is False else (n1 // T > full) | end
         if self.config.commit_min_snapshot:
             grows = grows | (n1 % T != 0)
         rows = grows * _where(some, blocks + 2, _STOP_ROWS)
@@ -778,10 +778,10 @@ class CacheCalls:
         if interned is not None:
             flat = interned()
         want = n1 + room
-        blocks = _max(nb, -(-want // T))  # once the room is made
+        blocks = _max(nb, (want + (T - 1)) // T)  # once the room is made
         # A room no pool could ever give is not asked for, as resize refuses
         # it before the launch; the commit goes ahead.
-        resizing = (want > cap) & (end ^ True)
+        resizing = want > cap if end is False else (want > cap) & (end ^ True)
         can_grow = pools_can_hold(self.pool.hold_rules, T, nb, blocks, _max(h, n1)) & (blocks <= self.pool.max_blocks)
         done = (resizing ^ True) | can_grow
         resizing = resizing & can_grow
@@ -799,8 +799,8 @@ class CacheCalls:
         reserved = self.pool.seg[slots, 1] if type(slots) is _ARRAY else int(self.pool.seg[slots, 1])  # a copy
         # The room of the commit, as ``_commit`` counts it, and of the resize
         # where there is one: its new blocks' segment rows, priorities and pages.
-        committed = _where(some, -(-n1 // T), nb)
-        grows = (n1 // T > full) | end
+        committed = _where(some, (n1 + (T - 1)) // T, nb)
+        grows = n1 // T > full if end is False else (n1 // T > full) | end
         if self.config.commit_min_snapshot:
             grows = grows | (n1 % T != 0)
         new = blocks - nb

@@ -193,7 +193,9 @@ def check_flat(flat, offsets, xp, tokens: bool = True) -> tuple:
         i = int(xp.argmax(steps < 0))
         raise ValueError(f"request {i}: offsets must be non-decreasing ({int(offsets[i])} > {int(offsets[i + 1])})")
     if flat.size and (tokens or flat.dtype != np.int32):
-        lo, hi = int(flat.min()), int(flat.max())
+        # No signed int of 32 bits or fewer passes MAX_TOKEN_ID (2**31 - 1): for those only the sign is read.
+        lo = int(flat.min())
+        hi = int(flat.max()) if flat.dtype.itemsize > 4 or flat.dtype.kind == "u" else lo
         if lo < 0 or hi > MAX_TOKEN_ID:
             bad = int(xp.argmax((flat < 0) | (flat > MAX_TOKEN_ID)))
             i = int(np.searchsorted(_host(offsets), bad, side="right") - 1)
