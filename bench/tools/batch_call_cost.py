@@ -8,7 +8,8 @@ of:
   room for one more: the decode step;
 * ``commit_batch`` of 16 caches, one token each (a flat token array and
   offsets, as vLLM's scheduler adapter commits);
-* ``resize_batch`` of 16 caches, one block more each;
+* ``resize_batch`` of 16 caches, one block more each (each call timed
+  alone, from capacities put back untimed);
 * a close and create cycle of the 4 other caches: ``close_batch`` of 4, then
   ``create_kv_caches`` of 4 new requests (``resume_batch`` and
   ``resize_batch`` of them to their prompt, then ``commit_batch`` of it,
@@ -39,7 +40,7 @@ import numpy as np
 
 T = 32
 B = 256
-PROMPT = 4 * T + 5  # tokens each running cache holds to start with
+PROMPT = 4 * T + 5  # tokens the first running cache holds to start with (each next one a token more, mod T)
 
 
 def build(n_running: int = B):
@@ -50,7 +51,8 @@ def build(n_running: int = B):
         tokens_per_block=T, layers=[gpukv.Attention()], pages_per_life_cycle=pages,
         enable_partial_reuse=False, initial_blocks=pages, backend="cpu"))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 50_000, PROMPT).tolist() for _ in range(n_running)]
+    # Lengths a token apart, so that a step completes a block in a few caches, not in all at once.
+    prompts = [rng.integers(1, 50_000, PROMPT + i % T).tolist() for i in range(n_running)]
     kvs = admit(mgr, prompts)
     return mgr, kvs, rng
 
@@ -62,6 +64,9 @@ def admit(mgr, prompts):
     assert mgr.resize_batch(kvs, [len(p) + 1 for p in prompts]).all()
     mgr.commit_batch(kvs, prompts)
     return kvs
+
+
+_KERNEL_TIME = [0.0]  # --where: seconds in the sequence kernels so far
 
 
 class Calls:
@@ -87,9 +92,19 @@ class Calls:
         # One flat array, as vLLM's step commits (gpukv/vllm/step.py); room made untimed.
         self.mgr.commit_batch(self.small, (self.small_tokens, self.small_offsets))
 
-    def resize(self):
+    def resize(self) -> float:
+        """µs of one ``resize_batch`` a block up, from capacities put back
+        (untimed) to a block past the committed tokens: the caches keep the
+        length a running batch has, not one that grows with every call."""
         kvs = self.small
-        self.mgr.resize_batch(kvs, [kv.capacity + T for kv in kvs])
+        base = [-(-(kv.num_committed_tokens + 1) // T) * T for kv in kvs]
+        kernels = _KERNEL_TIME[0]
+        self.mgr.resize_batch(kvs, base)
+        _KERNEL_TIME[0] = kernels  # --where: the untimed call's kernel left out
+        want = [c + T for c in base]
+        t0 = time.perf_counter()
+        self.mgr.resize_batch(kvs, want)
+        return (time.perf_counter() - t0) * 1e6
 
     def cycle(self):
         self.mgr.close_batch(self.churn)
@@ -98,7 +113,10 @@ class Calls:
 
 
 def timed(fn, calls: int) -> float:
-    """µs per call of ``calls`` calls of ``fn``."""
+    """µs per call of ``calls`` calls of ``fn`` (one that times itself: the
+    sum of the µs it returns)."""
+    if fn.__name__ == "resize":
+        return sum(fn() for _ in range(calls)) / calls
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -124,7 +142,7 @@ def split(c: Calls, calls: int, rounds: int) -> None:
     ``launcher.call_kernel``) and the rest, the host's."""
     from gpukv import launcher
 
-    kernel_time = [0.0]
+    kernel_time = _KERNEL_TIME
     call_kernel = launcher.call_kernel
 
     def timed_kernel(*args):
