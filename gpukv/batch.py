@@ -140,12 +140,36 @@ def _select(ok, columns: list):
     when none does."""
     if type(ok) is not _ARRAY:
         return (columns, None) if ok else (None, None)
+    if ok.size and ok.all():  # the common case, without a list of positions
+        return columns, None
     go = np.flatnonzero(ok)
     if not go.size:
         return None, go
     if go.size == len(ok):
         return columns, None
     return [c[go] if type(c) is _ARRAY else c for c in columns], go
+
+
+def _some(count):
+    """Where a call commits tokens (``count > 0``): True when every cache
+    does (a decode step), which the steps below take for all of them, so
+    that each ``_where`` and ``_both`` on it is no array operation."""
+    some = count > 0
+    if type(some) is _ARRAY and some.size and some.all():
+        return True
+    return some
+
+
+def _both(a, b):
+    """``a & b``, ``b`` itself where ``a`` is True."""
+    return b if a is True else a & b
+
+
+def _flag(value, n: int, name: str, what: str):
+    """A batched call's bool for all (kept a bool) or one per cache (an array)."""
+    if type(value) is bool:
+        return value
+    return inputs.flags(value, n, name, what)
 
 
 def _offsets(counts) -> np.ndarray:
@@ -175,7 +199,7 @@ def pools_can_hold(rules, T: int, have, blocks, history):
         if window:
             start = _min(-(-history // T), sinks)
             first_new = _max(have, _max(start, (history + 1 - window) // T))
-        ok = ok & (blocks - first_new <= pool)
+        ok = _both(ok, blocks - first_new <= pool)
     return ok
 
 
@@ -489,27 +513,32 @@ class CacheCalls:
         slots = inputs.cache_slots(caches, self.pool, naming.call)
         n = len(slots)
         naming.require(self.pool.host_scalars[slots, Q_STATUS], ACTIVE)
-        end = inputs.flags(is_end, n, "is_end", naming.call)
+        end = _flag(is_end, n, "is_end", naming.call)
         flat, offsets, interned = self._tokens(tokens, n, naming.call)
         if n == 1:
-            self._commit(naming, int(slots[0]), flat, int(offsets[1]), bool(end[0]), interned)
+            self._commit(naming, int(slots[0]), flat, int(offsets[1]), bool(_at(end, 0)), interned)
         else:
-            self._commit(naming, slots, flat, np.diff(offsets), end, interned)
+            self._commit(naming, slots, flat, offsets[1:] - offsets[:-1], end, interned, offsets)
 
     def append(self, caches, tokens, room, is_end=False) -> np.ndarray:
         naming = Entries("append_batch()")
         slots = inputs.cache_slots(caches, self.pool, naming.call)
         n = len(slots)
         naming.require(self.pool.host_scalars[slots, Q_STATUS], ACTIVE)
-        room = inputs.ints_or_one(room, n, "room", naming.call)
-        end = inputs.flags(is_end, n, "is_end", naming.call)
+        # One value for all stays an int or a bool: no array to build, and
+        # every step below takes either.
+        if type(room) is int and room >= 0:
+            pass
+        else:
+            room = inputs.ints_or_one(room, n, "room", naming.call)
+        end = _flag(is_end, n, "is_end", naming.call)
         flat, offsets, interned = self._tokens(tokens, n, naming.call)
         if n == 1:  # a prefill chunk's: the per-cache path
-            return np.array([self._append(naming, int(slots[0]), flat, int(offsets[1]), bool(end[0]), int(room[0]),
-                                          interned)])
+            return np.array([self._append(naming, int(slots[0]), flat, int(offsets[1]), bool(_at(end, 0)),
+                                          int(_at(room, 0)), interned)])
         if not n:
             return np.zeros(0, dtype=bool)
-        return self._append(naming, slots, flat, np.diff(offsets), end, room, interned)
+        return self._append(naming, slots, flat, offsets[1:] - offsets[:-1], end, room, interned, offsets)
 
     def close(self, caches, evict_first=False) -> None:
         naming = Entries("close_batch()")
@@ -645,8 +674,9 @@ class CacheCalls:
         ``(go, slots, cap, hist, have, blocks)`` of the rest (``go``: their
         positions, None: all), or None when none is left."""
         old_cap, old_hist, have = self._scalars(slots, Q_CAPACITY, Q_HISTORY, Q_NUM_BLOCKS)
-        naming.check(hist < old_hist, ValueError, "history_length cannot decrease ({} < {})", hist, old_hist)
-        naming.check(cap < hist, ValueError, "capacity {} is below history_length {}", cap, hist)
+        if _any((hist < old_hist) | (cap < hist)):  # one test; the first rule broken is named
+            naming.check(hist < old_hist, ValueError, "history_length cannot decrease ({} < {})", hist, old_hist)
+            naming.check(cap < hist, ValueError, "capacity {} is below history_length {}", cap, hist)
         scratch = self.config.swa_scratch_reuse
         if scratch is not None:
             naming.check((cap != old_cap) & ((hist < old_cap - scratch.max_rewind_len) | (hist > old_cap)), ValueError,
@@ -666,41 +696,48 @@ class CacheCalls:
             return None
         return (go, *picked)
 
-    def _commit(self, naming, slots, flat, count, end, interned):
+    def _commit(self, naming, slots, flat, count, end, interned, offsets=None):
         """``commit`` of ``count`` tokens of ``flat`` each (in order; for one
         cache all of them), ``end`` its ``is_end``; ``interned()``: ``flat``
-        again with its digests interned (None: it holds none)."""
+        again with its digests interned (None: it holds none); ``offsets``:
+        where each cache's tokens start in ``flat`` (and the last ends), when
+        the caller has them (None: from ``count``)."""
         flat, n0, n1, some, cap, h, full, nb = self._checked_commit(naming, slots, flat, count, interned)
         # No tokens and no end: nothing to do (a stop is a commit of none that ends).
-        run = some | end
+        run = some if some is True else some | end
         if type(run) is not _ARRAY:
             if not run:
                 return
         else:
-            picked, _ = _select(run, [slots, n0, n1, count, end, some, full, nb])
+            picked, go = _select(run, [slots, n0, n1, count, end, some, full, nb])
             if picked is None:
                 return
             slots, n0, n1, count, end, some, full, nb = picked
+            if go is not None:  # those left out hold no tokens
+                offsets = _offsets(count)
+        if offsets is None and type(count) is _ARRAY:
+            offsets = _offsets(count)
         rows, announced, span = self._commit_room(n1, count, end, some, full, nb)
         self._reserve_and_launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end),
                                  rows=rows, announced=announced, span=span, allocated=2 * some, tokens=flat,
-                                 tokens_off=_offsets(count) if is_batch(count) else None)
+                                 tokens_off=offsets)
 
     def _checked_commit(self, naming, slots, flat, count, interned):
         """What a commit of ``count`` tokens to each cache checks first (``_commit``
         and ``_append``): ``(flat, n0, n1, some, cap, h, full, nb)``, the
-        committed length before and after, whether any token comes, the
-        capacity, the history, the committed and the held blocks, and ``flat``
-        with its digests interned."""
+        committed length before and after, whether any token comes (True when
+        every cache's does), the capacity, the history, the committed and the
+        held blocks, and ``flat`` with its digests interned."""
         n0, state, cap, h, full, nb = self._scalars(
             slots, Q_COMMITTED, Q_COMMIT_STATE, Q_CAPACITY, Q_HISTORY, Q_COMMITTED_BLOCKS, Q_NUM_BLOCKS)
         n1 = n0 + count
-        some = count > 0
-        naming.check(some & (state == USER_STOP), LogicError, "Cannot commit tokens after stop_committing()")
-        naming.check(some & (n1 > cap), ValueError, "committing {} tokens would pass the capacity ({} > {})",
-                     count, n1, cap)
+        some = _some(count)
+        if _any(_both(some, (state == USER_STOP) | (n1 > cap))):  # one test; the first rule broken is named
+            naming.check(_both(some, state == USER_STOP), LogicError, "Cannot commit tokens after stop_committing()")
+            naming.check(_both(some, n1 > cap), ValueError, "committing {} tokens would pass the capacity ({} > {})",
+                         count, n1, cap)
         if self.config.commit_min_snapshot:
-            naming.check(some & (h != n0) & (h != n1), ValueError,
+            naming.check(_both(some, (h != n0) & (h != n1)), ValueError,
                          "commit_min_snapshot: history_length ({}) must equal the committed length before ({}) or "
                          "after ({}) the commit of {} tokens", h, n0, n1, count)
         if interned is not None:
@@ -721,39 +758,46 @@ class CacheCalls:
         rest only raise their history: per life cycle at most the blocks that
         many tokens make stale."""
         T = self.T
-        blocks = _where(some, -(-n1 // T), nb)
-        grows = (n1 // T > full) | end
+        blocks = _where(some, (n1 + (T - 1)) // T, nb)
+        grows = n1 // T > full if end is False else (n1 // T > full) | end
         if self.config.commit_min_snapshot:
             grows = grows | (n1 % T != 0)
         rows = grows * _where(some, blocks + 2, _STOP_ROWS)
-        announced = grows * _where(some, log_tokens_rows_for(blocks, self.L), _stop_announced(nb))
+        announced = grows * (log_tokens_rows_for(blocks, self.L) if some is True else
+                             _where(some, log_tokens_rows_for(blocks, self.L), _stop_announced(nb)))
         return _total(rows), announced, _where(grows, blocks, count // T + 2)
 
-    def _append(self, naming, slots, flat, count, end, room, interned):
+    def _append(self, naming, slots, flat, count, end, room, interned, offsets=None):
         """``append`` of ``count`` tokens of ``flat`` to each cache (in order;
         for one cache all of them), ``end`` its ``is_end``: the commit, then,
         unless it ends, a resize to whole blocks past ``room`` more tokens
         where the capacity is short, the history as the commit leaves it; in
         one launch. True where the room is there, False where a pool was
         short for it: the commit stays and the capacity is as it was, as
-        ``commit`` then ``resize`` one by one leave them."""
+        ``commit`` then ``resize`` one by one leave them. ``offsets`` as
+        ``_commit`` takes them."""
         T = self.T
         flat, n0, n1, some, cap, h, full, nb = self._checked_commit(naming, slots, flat, count, interned)
         want = n1 + room
-        blocks = _max(nb, -(-want // T))  # once the room is made
+        blocks = _max(nb, (want + (T - 1)) // T)  # once the room is made
         # A room no pool could ever give is not asked for, as resize refuses
         # it before the launch; the commit goes ahead.
-        resizing = (want > cap) & (end ^ True)
+        resizing = want > cap if end is False else (want > cap) & (end ^ True)
         can_grow = pools_can_hold(self.pool.hold_rules, T, nb, blocks, _max(h, n1)) & (blocks <= self.pool.max_blocks)
         done = (resizing ^ True) | can_grow
         resizing = resizing & can_grow
-        picked, go = _select(some | end | resizing, [slots, n0, n1, count, end, some, full, nb, blocks, resizing, room])
+        run = some if some is True else some | end | resizing
+        picked, go = _select(run, [slots, n0, n1, count, end, some, full, nb, blocks, resizing, room])
         if picked is None:
             return done
+        if type(count) is _ARRAY and offsets is None:
+            offsets = _offsets(count)
         if go is not None:
-            flat = flat[ranges(_offsets(count)[go], count[go])]
+            flat = flat[ranges(offsets[go], count[go])]
         slots, n0, n1, count, end, some, full, nb, blocks, resizing, room = picked
-        reserved = self.pool.seg[slots, 1].copy() if type(slots) is _ARRAY else int(self.pool.seg[slots, 1])
+        if go is not None:
+            offsets = _offsets(count)
+        reserved = self.pool.seg[slots, 1] if type(slots) is _ARRAY else int(self.pool.seg[slots, 1])  # a copy
         # The room of the commit, and of the resize where there is one: its
         # new blocks' segment rows, priorities and pages.
         rows, announced, span = self._commit_room(n1, count, end, some, full, nb)
@@ -762,7 +806,7 @@ class CacheCalls:
             naming, slots, SEQ_APPEND, (n0, count, end, _where(resizing, room, 0)), segment=blocks, priorities=blocks,
             rows=rows, announced=announced, span=span + new,
             allocated=_where(resizing, new + self.pool.scratch_width + 1, 0) + 2 * some,
-            tokens=flat, tokens_off=_offsets(count) if type(count) is _ARRAY else None)
+            tokens=flat, tokens_off=offsets)
         ok = self.pool.host_scalars[slots, Q_RESULT] != 0
         if not _all(ok):  # a refused room keeps no segment rows it reserved
             self.pool.trim(slots[~ok] if type(slots) is _ARRAY else slots, reserved[~ok] if type(slots) is _ARRAY else reserved)

@@ -185,8 +185,10 @@ def cache_slots(caches, pool, what: str) -> np.ndarray:
     except (AttributeError, TypeError):
         i = next(i for i, kv in enumerate(caches) if _handle(kv) is None)
         raise TypeError(f"{what}: caches[{i}] is not a KVCache, got {type(caches[i]).__name__}") from None
-    if n and (int(slots.min()) < 0 or int(slots.max()) >= serial.shape[0]
-              or not (serial[slots] == serials).all()):
+    # Serials tell every cache of the process apart and a free slot holds
+    # -1, so a slot out of range, clipped to one in range, cannot hold the
+    # cache's serial: one gather and one test.
+    if n and (not serial.shape[0] or not (serial.take(slots, mode="clip") == serials).all()):
         ours = (slots >= 0) & (slots < serial.shape[0])
         ours[ours] = serial[slots[ours]] == serials[ours]
         i = int(np.argmin(ours))

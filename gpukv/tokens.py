@@ -141,21 +141,30 @@ def flatten(requests: Sequence, intern: Callable[[bytes], int]) -> tuple[np.ndar
         flat[lo:hi] = arr
     if packed:
         small = np.flatnonzero((flat >= 0) & (flat <= 1))
-        owner = np.searchsorted(offsets, small, side="right") - 1
-        keep = np.isin(owner, packed)
-        for i in np.unique(owner[keep]).tolist():  # requests holding a 0 or a 1
-            pos = _bool_at(requests[i], small[keep & (owner == i)] - offsets[i])
-            if pos is not None:
-                raise _bool_error(i, pos)
+        if small.size:  # most batches hold no 0 or 1: nothing to look at
+            owner = np.searchsorted(offsets, small, side="right") - 1
+            keep = _members(packed, len(requests))[owner]
+            for i in np.unique(owner[keep]).tolist():  # requests holding a 0 or a 1
+                pos = _bool_at(requests[i], small[keep & (owner == i)] - offsets[i])
+                if pos is not None:
+                    raise _bool_error(i, pos)
     if flat.size and int(flat.min()) < 0:
         negative = np.nonzero(flat < 0)[0]
         owner = np.searchsorted(offsets, negative, side="right") - 1
-        bad = ~np.isin(owner, digest_requests)
+        bad = ~_members(digest_requests, len(requests))[owner]
         if bad.any():
             k = int(np.argmax(bad))
             i, pos = int(owner[k]), int(negative[k] - offsets[owner[k]])
             raise token_error(i, pos, int(flat[negative[k]]))
     return flat, offsets
+
+
+def _members(indices: list, n: int) -> np.ndarray:
+    """A mask of ``n`` that holds at ``indices`` (``np.isin``'s answer for
+    request indices, without its sort)."""
+    mask = np.zeros(n, dtype=bool)
+    mask[indices] = True
+    return mask
 
 
 def check_flat(flat, offsets, xp, tokens: bool = True) -> tuple:
@@ -184,7 +193,9 @@ def check_flat(flat, offsets, xp, tokens: bool = True) -> tuple:
         i = int(xp.argmax(steps < 0))
         raise ValueError(f"request {i}: offsets must be non-decreasing ({int(offsets[i])} > {int(offsets[i + 1])})")
     if flat.size and (tokens or flat.dtype != np.int32):
-        lo, hi = int(flat.min()), int(flat.max())
+        # No signed int of 32 bits or fewer passes MAX_TOKEN_ID (2**31 - 1): for those only the sign is read.
+        lo = int(flat.min())
+        hi = int(flat.max()) if flat.dtype.itemsize > 4 or flat.dtype.kind == "u" else lo
         if lo < 0 or hi > MAX_TOKEN_ID:
             bad = int(xp.argmax((flat < 0) | (flat > MAX_TOKEN_ID)))
             i = int(np.searchsorted(_host(offsets), bad, side="right") - 1)
