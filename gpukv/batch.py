@@ -214,7 +214,9 @@ class OneCache:
 
     def require(self, got, status: int):
         if got != status:
-            raise LogicError(f"{self.call} needs {'an' if status == ACTIVE else 'a'} {_STATUS_NAMES[status]} KV cache; this one is {_STATUS_NAMES[int(got)]}")
+            article = "an" if status == ACTIVE else "a"
+            raise LogicError(f"{self.call} needs {article} {_STATUS_NAMES[status]} KV cache; "
+                             f"this one is {_STATUS_NAMES[int(got)]}")
 
     def check(self, bad, error, text: str, *values):
         """Raise ``error(text with values)`` if ``bad`` holds."""
