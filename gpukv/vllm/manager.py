@@ -186,9 +186,9 @@ class GpukvKVCacheManager:
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         self._check_request(request)
-        if self._step.dirty and self._step.affects(request):
-            self._flush()  # the tree as vLLM's cache is now, where it matters to this request
         limit = self._lookup_limit(request, max_cache_hit_length)
+        if self._step.dirty and self._step.affects(request, lambda: self._ahead_hits_held(request, limit)):
+            self._flush()  # the tree as vLLM's cache is now, where it matters to this request
         if limit <= 0:
             return self.empty_kv_cache_blocks, 0, 0
         found = self._ahead.pop(request.request_id, None)
@@ -209,6 +209,15 @@ class GpukvKVCacheManager:
         if self._events is not None and getattr(request, "kv_cache_report_mode", "incremental") == "full":
             self._events.reused(request, hit // T)
         return self._HitBlocks(self._hit_pages, rows, hit, tokens[:hit]), hit, 0
+
+    def _ahead_hits_held(self, request, limit: int) -> bool:
+        """Whether the step's lookahead match answers ``request`` at ``limit``
+        with pages that caches hold (no eviction can take them)."""
+        found = self._ahead.get(request.request_id)
+        if found is None or found[0] is not request or found[1] != limit or found[2] != self._step.version:
+            return False
+        rows = found[4]
+        return not len(rows) or bool(self._gk.match_pages(rows)[1].all())
 
     def _lookup_limit(self, request, max_cache_hit_length: int | None) -> int:
         """The most tokens a lookup of ``request`` may hit."""

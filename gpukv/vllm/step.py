@@ -129,16 +129,22 @@ class StepCalls:
         self._obtainable = self._free = None
         self.version += 1
 
-    def affects(self, request) -> bool:
-        """Could the queued calls change what a lookup of ``request`` finds?"""
+    def affects(self, request, hits_held=None) -> bool:
+        """Could the queued calls change what a lookup of ``request`` finds?
+        ``hits_held()``: whether a cache holds every page the lookup would
+        hit (None: not known)."""
         if self.closes:
-            return True
-        if self.pending_new and self.pending_new > self.free():
-            return True  # a queued allocation evicts: maybe a block this request would hit
+            return True  # a queued close releases pages an allocation may then evict
         # Hashes chain: a block hash names its whole prefix, so the request
         # would match a queued block exactly when its hashes hold the first
         # queued block of some commit.
-        return not self._first_queued.isdisjoint(request.block_hashes)
+        if not self._first_queued.isdisjoint(request.block_hashes):
+            return True
+        if self.pending_new and self.pending_new > self.free():
+            # A queued allocation evicts, but only pages no cache holds (vLLM:
+            # blocks of reference count 0): a hit on held pages stays.
+            return hits_held is None or not hits_held()
+        return False
 
     # -- queueing -----------------------------------------------------------------
     @property

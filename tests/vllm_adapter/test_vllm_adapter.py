@@ -314,6 +314,45 @@ def test_lookups_ahead_match_the_waiting_head_in_one_match_and_stay_exact(monkey
     assert len(matches) == before + 1
 
 
+def test_lookups_ahead_under_eviction_stay_where_the_hit_is_held(monkeypatch):
+    """A queued allocation that evicts can take only pages no cache holds (in
+    vLLM, blocks of reference count 0): a lookup whose hit is all held pages
+    is answered from the step's first match; one that hits eviction
+    candidates is matched again after the queued calls; both equal stock."""
+    ref, m = managers(num_blocks=20)  # 19 pages
+    H = list(range(3, 3 + 4 * T))  # held by a running request
+    E = list(range(2000, 2000 + 3 * T))  # cached, then freed: eviction candidates
+    for mgr in (ref, m):
+        admit(mgr, make_request("h", H + [1], 4))  # 5 pages, held
+        e = make_request("e", E + [1], 4)
+        admit(mgr, e)
+        mgr.free(e)  # 3 cached blocks, evictable
+        admit(mgr, make_request("f", list(range(5000, 5000 + 8 * T + 1)), 4))  # 9 pages, held: 2 left free
+    waiting = [make_request("w0", list(range(9000, 9000 + 2 * T + 1)), 4),  # needs 3 pages: evicts
+               make_request("w1", H[: 2 * T] + list(range(7000, 7000 + T + 1)), 4),
+               make_request("w2", E + list(range(8000, 8000 + T + 1)), 4)]
+    gk = m.gpukv
+    matches = []
+    real = gk.match_batch
+    monkeypatch.setattr(gk, "match_batch", lambda *a, **k: matches.append(1) or real(*a, **k))
+    m.lookup_ahead(waiting, len(waiting))
+    got, want = [], []
+    for mgr, out in ((ref, want), (m, got)):
+        blocks, n, _ = mgr.get_computed_blocks(waiting[0])
+        assert mgr.allocate_slots(waiting[0], waiting[0].num_tokens - n, n, blocks) is not None
+        out.append(n)
+        for r in waiting[1:]:
+            out.append(mgr.get_computed_blocks(r)[1])
+            if mgr is m:
+                out.append(len(matches))
+    # gpukv: [w0's hit, w1's, matches so far, w2's, matches so far]. w1 is
+    # answered from the first match; w2 is matched again, after the queued calls.
+    assert got[2::2] == [1, 2]
+    del got[2::2]
+    assert got == want
+    assert want[1] == 2 * T and want[2] < 3 * T  # w2 lost a block to w0's eviction
+
+
 def test_unsupported_features_are_refused_by_name():
     spec = FullAttentionSpec(block_size=T, num_kv_heads=1, head_size=1, dtype=torch.float32)
     swa = SlidingWindowSpec(block_size=T, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64)
