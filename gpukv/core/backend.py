@@ -33,6 +33,7 @@ from .errors import BackendError
 if os.environ.get("GPUKV_BACKEND") == "cudasim":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+
 def _kernel_source_digest() -> str:
     """A digest of every source file kernels are compiled from (core/ and kernels/).
 
