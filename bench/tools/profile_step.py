@@ -9,16 +9,16 @@ counts: a shared machine's load comes and goes), then 3:
 
 1. plain: the time per running sequence per step, nothing attached;
 2. timed: the same with a ``perf_counter`` pair around each part of the
-   per-cache call path, attached to the manager's objects from outside:
-   the kernel launch (the Numba dispatcher call: dispatch + kernel), token
-   conversion (``token_array``), the table capacity checks
-   (``ensure_free_blocks``, ``ensure_log_tokens``), the work after each
-   launch (``Launcher.settle``: draining page copies and the change log) and the host/device transfers
+   call path, attached to the manager's objects from outside: the kernel
+   (``launcher.call_kernel``: the compiled code, called directly while the
+   tables stay, else through Numba's dispatcher), the token checks
+   (``inputs.check_flat``, ``flatten``, ``token_array``), the table
+   capacity checks (``ensure_free_blocks``, ``ensure_log_tokens``,
+   ``ensure_log``), the work after each launch (``Launcher.settle``:
+   draining page copies and the change log) and the host/device transfers
    of the backend, each part's own time (a timed call inside another is
    taken out of the outer one); the rest of the facade (argument and state
-   checks, small arrays, Python) is the remainder. The dispatch part of a
-   launch is estimated by calling a no-op Numba function with the same
-   arguments;
+   checks, small arrays, Python) is the remainder;
 3. cProfile, for the functions with the most own time.
 
 Prints Markdown: the parts in µs per running sequence per step and as shares.
@@ -105,31 +105,6 @@ def least_per_call(fn, calls: int = 5000, tries: int = 5) -> float:
     return best
 
 
-def dispatch_cost(mgr, kv) -> float:
-    """Seconds per call of a no-op Numba function taking the sequence kernel's arguments."""
-    import numba
-    import numpy as np
-
-    S = mgr._tables.device
-    pool = getattr(mgr, "_pool", None)
-    if pool is None:  # one cache's arrays per launch
-        @numba.njit
-        def noop(S, Q, op):
-            return op
-
-        args = (S, kv._q, 0)
-    else:  # the manager's pool, the slots and their input
-        @numba.njit
-        def noop(S, P, items, ops, flat, flat_off, path, path_off):
-            return items[0]
-
-        one = np.zeros(1, dtype=np.int64)
-        args = (S, pool.arrays, one, one, np.zeros(1, dtype=np.int32), np.zeros(2, dtype=np.int64), one,
-                np.zeros(2, dtype=np.int64))
-    noop(*args)  # compile
-    return least_per_call(lambda: noop(*args))
-
-
 def wrapper_cost() -> float:
     """Seconds a timer adds to a call (a timed no-op minus a bare one)."""
     def nothing():
@@ -139,30 +114,23 @@ def wrapper_cost() -> float:
     return max(0.0, least_per_call(timed) - least_per_call(nothing))
 
 
-LAUNCH = "kernel launch (dispatch + kernel)"
+KERNEL = "kernel (the compiled code's call)"
 
 
-def attach_timers(mgr, kvs) -> Timers:
-    """Timers on each part of the per-cache call path (see the module docstring)."""
-    import gpukv.cache
+def attach_timers(mgr) -> Timers:
+    """Timers on each part of the call path (see the module docstring)."""
+    import gpukv.inputs
+    import gpukv.launcher
 
     timers = Timers()
-    pool = getattr(mgr, "_pool", None)
-    if pool is not None:  # the sequence kernels serve every cache of the manager
-        kernels = pool.kernels
-        timers._attached.append((pool, "kernels", True, kernels))
-        pool.kernels = type(kernels)(*(timers.wrap(LAUNCH, k) for k in kernels))
-    else:
-        for kv in kvs:
-            timers.attach(kv, "_run", LAUNCH)
+    timers.attach(gpukv.launcher, "call_kernel", KERNEL)
     timers.attach(mgr._launcher, "settle", "after each launch (page copies, change log)")
-    timers.attach(mgr._tables, "ensure_free_blocks", "table capacity checks")
-    timers.attach(mgr._tables, "ensure_log_tokens", "table capacity checks")
+    for name in ("ensure_free_blocks", "ensure_log_tokens", "ensure_log"):
+        timers.attach(mgr._tables, name, "table capacity checks")
     timers.attach(mgr._backend, "to_host", "host/device transfers")
     timers.attach(mgr._backend, "to_device", "host/device transfers")
-    timers.attach(gpukv.cache, "token_array", "token conversion (token_array)")
-    if hasattr(gpukv, "batch"):
-        timers.attach(gpukv.batch, "flatten", "token conversion (token_array)")
+    for name in ("check_flat", "flatten", "token_array"):
+        timers.attach(gpukv.inputs, name, "token checks")
     return timers
 
 
@@ -174,19 +142,17 @@ def profile(pool: str, B: int, steps: int, repeats: int, top: int, out=sys.stdou
     if not isinstance(d, sb.GpukvPerCache):
         raise SystemExit("profile_step.py profiles gpukv")
     batch = d.running(handles)
-    kvs = batch["kvs"] if isinstance(batch, dict) else batch
     mgr = d.mgr
     seq_steps = B * steps
     run_steps(d, batch, w, B, 0, 1)  # touch every path once
     plain = float("inf")
 
     per_wrap = wrapper_cost()
-    per_launch_dispatch = dispatch_cost(mgr, kvs[0])
     best = None
     for r in range(repeats):  # plain and timed passes alternate; the least disturbed of each counts
         first = 1 + 2 * r * steps
         plain = min(plain, run_steps(d, batch, w, B, first, steps) / seq_steps)
-        timers = attach_timers(mgr, kvs)
+        timers = attach_timers(mgr)
         try:
             timed = run_steps(d, batch, w, B, first + steps, steps) / seq_steps
         finally:
@@ -194,12 +160,8 @@ def profile(pool: str, B: int, steps: int, repeats: int, top: int, out=sys.stdou
         if best is None or timed < best[0]:
             best = (timed, timers)
     timed, timers = best
-    launches = LAUNCH
-    n_launch = timers.calls[launches]
+    n_launch = timers.calls[KERNEL]
     parts = {k: v / seq_steps for k, v in timers.total.items()}
-    dispatch = per_launch_dispatch * n_launch / seq_steps
-    parts["Numba dispatch (estimated)"] = dispatch
-    parts["kernel (launch minus dispatch)"] = parts.pop(launches) - dispatch
     instrumentation = per_wrap * sum(timers.calls.values()) / seq_steps
     parts["facade: checks, small arrays, Python (the rest)"] = timed - sum(parts.values()) - instrumentation
     parts["the timers themselves (estimated)"] = instrumentation
@@ -213,8 +175,7 @@ def profile(pool: str, B: int, steps: int, repeats: int, top: int, out=sys.stdou
 
     print(f"\n### gpukv decode ({d.calls} calls), B={B}, {pool} pool ({facts['pages']:,} pages), {steps} steps\n", file=out)
     print(f"plain: {us(plain)} µs per running sequence per step; with the timers: {us(timed)} µs; "
-          f"{n_launch / seq_steps:.3g} kernel launches per sequence step; a launch's dispatch alone "
-          f"{us(per_launch_dispatch)} µs.\n", file=out)
+          f"{n_launch / seq_steps:.3g} kernel launches per sequence step.\n", file=out)
     if pool == "evicting":
         print(f"free pages after the fill: {facts['free_pages_after_fill']}, after the steps: {free_after}\n",
               file=out)
