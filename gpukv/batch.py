@@ -719,10 +719,12 @@ class CacheCalls:
                 offsets = _offsets(count)
         if offsets is None and type(count) is _ARRAY:
             offsets = _offsets(count)
-        rows, announced, span = self._commit_room(n1, count, end, some, full, nb)
+        rows, announced, span, grows = self._commit_room(slots, n1, count, end, some, full, nb)
+        before = self._detaches()
         self._reserve_and_launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end),
                                  rows=rows, announced=announced, span=span, allocated=2 * some, tokens=flat,
                                  tokens_off=offsets)
+        self._seen_attached(slots, grows, before)
 
     def _checked_commit(self, naming, slots, flat, count, interned):
         """What a commit of ``count`` tokens to each cache checks first (``_commit``
@@ -746,28 +748,51 @@ class CacheCalls:
             flat = interned()
         return flat, n0, n1, some, cap, h, full, nb
 
-    def _commit_room(self, n1, count, end, some, full, nb):
+    def _commit_room(self, slots, n1, count, end, some, full, nb):
         """The table room of a commit that ends at ``n1`` tokens: ``(rows,
-        announced, span)`` as ``_reserve_and_launch`` takes them.
+        announced, span, grows)``, the first three as ``_reserve_and_launch``
+        takes them, ``grows``: where the commit adds to the tree.
 
         Only a commit that completes a block, snapshots a partial one or ends
-        the sequence adds to the tree: for it the new blocks and a re-attached
-        chain (the whole committed chain, in case it was detached meanwhile),
-        announcements per life cycle; for a stop its pending tail. Most decode
-        commits complete no block and reserve nothing: room is for the blocks
-        a call can touch, so a decode step over a large batch reserves no block
-        rows or log tokens for the chains its caches already committed. The
-        rest only raise their history: per life cycle at most the blocks that
-        many tokens make stale."""
+        the sequence adds to the tree: for it the new blocks and, unless the
+        committed chain is known whole in the tree (``CachePool.attached_at``),
+        a re-attached chain (the whole committed chain, in case it was detached
+        meanwhile), announcements per life cycle; for a stop its pending tail.
+        Most decode commits complete no block and reserve nothing: room is for
+        the blocks a call can touch, so a decode step over a large batch
+        reserves no block rows or log tokens for the chains its caches already
+        committed. The rest only raise their history: per life cycle at most
+        the blocks that many tokens make stale."""
         T = self.T
         blocks = _where(some, (n1 + (T - 1)) // T, nb)
         grows = n1 // T > full if end is False else (n1 // T > full) | end
         if self.config.commit_min_snapshot:
             grows = grows | (n1 % T != 0)
-        rows = grows * _where(some, blocks + 2, _STOP_ROWS)
-        announced = grows * (log_tokens_rows_for(blocks, self.L) if some is True else
-                             _where(some, log_tokens_rows_for(blocks, self.L), _stop_announced(nb)))
-        return _total(rows), announced, _where(grows, blocks, count // T + 2)
+        stale = count // T + 2
+        seen = self.pool.attached_at[slots]
+        whole = _both(some, seen == self.launcher.detaches if type(seen) is _ARRAY else int(seen) == self.launcher.detaches)
+        chain = _where(whole, blocks - full, blocks)  # the blocks a commit that grows may write
+        rows = grows * _where(some, chain + 2, _STOP_ROWS)
+        announced = grows * (log_tokens_rows_for(chain, self.L) if some is True else
+                             _where(some, log_tokens_rows_for(chain, self.L), _stop_announced(nb)))
+        return _total(rows), announced, _where(grows, _where(whole, chain + stale, blocks), stale), grows
+
+    def _detaches(self):
+        """The tree's detach count before a launch (None: not known, an
+        earlier launch's aftermath is unfinished)."""
+        return None if self.launcher.pending else self.launcher.detaches
+
+    def _seen_attached(self, slots, grows, before) -> None:
+        """After a commit's launch: the chains of the caches whose commit added
+        to the tree (``grows``) are whole in it, as the commit re-attached
+        them, unless a block was detached in the launch (``before``: the
+        count before it), perhaps after that cache's commit."""
+        if before is None or self.launcher.pending or self.launcher.detaches != before:
+            return
+        if type(slots) is _ARRAY:
+            self.pool.attached_at[slots[np.broadcast_to(grows, slots.shape)]] = before
+        elif grows:
+            self.pool.attached_at[slots] = before
 
     def _append(self, naming, slots, flat, count, end, room, interned, offsets=None):
         """``append`` of ``count`` tokens of ``flat`` to each cache (in order;
@@ -802,13 +827,15 @@ class CacheCalls:
         reserved = self.pool.seg[slots, 1] if type(slots) is _ARRAY else int(self.pool.seg[slots, 1])  # a copy
         # The room of the commit, and of the resize where there is one: its
         # new blocks' segment rows, priorities and pages.
-        rows, announced, span = self._commit_room(n1, count, end, some, full, nb)
+        rows, announced, span, grows = self._commit_room(slots, n1, count, end, some, full, nb)
         new = blocks - nb
+        before = self._detaches()
         self._reserve_and_launch(
             naming, slots, SEQ_APPEND, (n0, count, end, _where(resizing, room, 0)), segment=blocks, priorities=blocks,
             rows=rows, announced=announced, span=span + new,
             allocated=_where(resizing, new + self.pool.scratch_width + 1, 0) + 2 * some,
             tokens=flat, tokens_off=offsets)
+        self._seen_attached(slots, grows, before)
         ok = self.pool.host_scalars[slots, Q_RESULT] != 0
         if not _all(ok):  # a refused room keeps no segment rows it reserved
             self.pool.trim(slots[~ok] if type(slots) is _ARRAY else slots, reserved[~ok] if type(slots) is _ARRAY else reserved)

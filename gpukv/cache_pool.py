@@ -120,6 +120,11 @@ class CachePool:
         self.serial = np.zeros(0, dtype=np.int64)  # the serial of the slot's cache, -1 when free
         # Ordinals whose page priorities the slot's callback gave (NO_CALLBACK: none to ask).
         self.priorities_known = np.zeros(0, dtype=np.int64)
+        # The tree's detach count (CNT_DETACHES) when each cache's committed
+        # chain was last seen whole in the tree (-1: not known). While the
+        # count has not moved since, no block of the chain was detached, so a
+        # commit re-attaches nothing and needs room for its new blocks only.
+        self.attached_at = np.zeros(0, dtype=np.int64)
         # The priority callback of each slot's cache, until the cache closes
         # (a callback that refers to its cache would otherwise keep it alive).
         self.callbacks: list = []
@@ -168,6 +173,7 @@ class CachePool:
         for s, cb in zip(slots.tolist(), callbacks):
             self.callbacks[s] = cb
             self.priorities_known[s] = NO_CALLBACK if cb is None else 0
+        self.attached_at[slots] = -1
         rows = np.zeros((n, Q_WIDTH), dtype=np.int64)
         rows[:, Q_SSM_PAGE] = NULL
         rows[:, Q_NEVER_RESUMED] = 1
@@ -267,6 +273,8 @@ class CachePool:
         serial[:old] = self.serial
         known = np.zeros(n, dtype=np.int64)
         known[:old] = self.priorities_known
+        attached_at = np.full(n, -1, dtype=np.int64)
+        attached_at[:old] = self.attached_at
         callbacks = self.callbacks + [None] * (n - old)
         arrays = (self.arrays or SeqPool(**{f: None for f in SeqPool._fields}))._replace(**fresh)
         host = fresh["scalars"]
@@ -277,8 +285,8 @@ class CachePool:
         # One step, so an exception anywhere in this method leaves the pool
         # either as it was or grown; ``host_scalars``: the scalars as last read
         # back (the device array itself off the GPU).
-        self.arrays, self.host_scalars, self.seg, self.serial, self.priorities_known, self.callbacks = (
-            arrays, host, seg, serial, known, callbacks)
+        self.arrays, self.host_scalars, self.seg, self.serial, self.priorities_known, self.callbacks, self.attached_at = (
+            arrays, host, seg, serial, known, callbacks, attached_at)
         self._sync_seg()
         self.gen += 1
 

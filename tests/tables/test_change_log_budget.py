@@ -132,6 +132,52 @@ def test_one_cache_beyond_the_budget_gets_a_launch_of_its_own(tiny_log):
     introspect.check_sanity(mgr)
 
 
+def test_a_decode_step_over_whole_chains_reserves_for_its_new_blocks_only(monkeypatch, backend):
+    """A commit that completes a block re-attaches its committed chain if a
+    block of it was detached meanwhile, so its change-log room covers the
+    chain, unless no block was detached since the chain was last seen whole
+    (``CachePool.attached_at``): then only the new block. Eight caches of 40
+    committed blocks each completing a block fit one launch of the least log
+    (64 token rows) that way, where the chains' room would split it; after a
+    detach anywhere the room covers the chains again. Each step equals the
+    per-cache calls on a twin."""
+    monkeypatch.setattr(table_sizes, "CHANGE_LOG_BUDGET", 0)  # the log at its least; the copy list as it is
+    mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=2000)
+    twin = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=2000)
+    n = 8
+    kvs, twins = mgr.create_kv_caches([[]] * n), twin.create_kv_caches([[]] * n)
+    assert mgr.resume_batch(kvs).all() and all(kv.resume() for kv in twins)
+    assert mgr.resize_batch(kvs, [60 * T] * n).all() and all(kv.resize(60 * T) for kv in twins)
+    prompts = [[1000 * i + j + 1 for j in range(40 * T - 1)] for i in range(n)]
+    mgr.commit_batch(kvs, prompts)  # 39 blocks and 3 tokens each, the chains now known whole
+    for kv, p in zip(twins, prompts):
+        kv.commit(p)
+
+    def step(tokens_each: int) -> int:
+        """Every cache commits ``tokens_each`` tokens, completing a block: launches taken."""
+        tokens = [[7 + i] * tokens_each for i in range(n)]
+        before = mgr._launcher.launches
+        assert mgr.append_batch(kvs, tokens, room=1).all()
+        for kv, t in zip(twins, tokens):
+            kv.commit(t)
+        for a, b in zip(kvs, twins):
+            assert list(a.page_indices(0)) == list(b.page_indices(0))
+            assert a.num_committed_tokens == b.num_committed_tokens
+        return mgr._launcher.launches - before
+
+    assert step(1) == 1
+    other = mgr.create_kv_cache()  # a block of its own, then detached: the count moves
+    assert other.resume() and other.resize(T)
+    other.commit([99_999] * T)
+    other.close()
+    block, _ = introspect.add_block(mgr, [99_999] * T)
+    introspect.remove_subtree(mgr, block)
+    assert step(T) > 1  # the chains' room again: the tiny log splits the step
+    assert step(T) == 1  # seen whole by that step
+    mgr.close_batch(kvs)
+    introspect.check_sanity(mgr)
+
+
 def test_a_subtree_removal_takes_no_log_room(tiny_log):
     """A thousand requests share a first block that is the first victim
     (priority 0): its death removes every request's blocks in the launch of
