@@ -529,10 +529,7 @@ class CacheCalls:
         naming.require(self.pool.host_scalars[slots, Q_STATUS], ACTIVE)
         # One value for all stays an int or a bool: no array to build, and
         # every step below takes either.
-        if type(room) is int and room >= 0:
-            pass
-        else:
-            room = inputs.ints_or_one(room, n, "room", naming.call)
+        room = inputs.ints_or_one(room, n, "room", naming.call)
         end = _flag(is_end, n, "is_end", naming.call)
         flat, offsets, interned = self._tokens(tokens, n, naming.call)
         if n == 1:  # a prefill chunk's: the per-cache path

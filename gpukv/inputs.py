@@ -90,12 +90,14 @@ def ints(values, n: int, name: str, what: str) -> np.ndarray:
     return a
 
 
-def ints_or_one(values, n: int, name: str, what: str) -> np.ndarray:
-    """A non-negative int for all, or one per cache, as int64."""
+def ints_or_one(values, n: int, name: str, what: str) -> int | np.ndarray:
+    """A non-negative int for all, kept one int (the batched calls' steps
+    take an int as they take an array, and build none for it), or one per
+    cache, as int64."""
     if isinstance(values, (int, np.integer)) and not isinstance(values, (bool, np.bool_)):
         if values < 0:
             raise ValueError(f"{what}: {name} must be a non-negative int, got {values!r}")
-        return np.full(n, int(values), dtype=np.int64)
+        return int(values)
     return ints(values, n, name, what)
 
 
