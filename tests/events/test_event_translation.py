@@ -365,12 +365,25 @@ def test_a_launch_interrupted_anywhere_applies_whole_when_fed_again(seed):
     rng = np.random.default_rng(seed)
     log = RandomLog(rng)
     launches = [log.launch(int(rng.integers(20, 60))) for _ in range(4)]
-    want_em, _ = both(10**6, "sha256", log)
-    for records, tokens in launches:
-        want_em.on_records(records, tokens)
-    want_em.flush_iteration_events()
-    want = want_em.get_latest_events()
+    assert runs_cut_at_every_line(log, launches, uninterrupted_events(log, launches), dense=400, stride=7) > 100
 
+
+def uninterrupted_events(log: RandomLog, launches: list) -> list:
+    """The events of ``launches`` fed in turn to a fresh event manager."""
+    em, _ = both(10**6, "sha256", log)
+    for records, tokens in launches:
+        em.on_records(records, tokens)
+    em.flush_iteration_events()
+    return em.get_latest_events()
+
+
+def runs_cut_at_every_line(log: RandomLog, launches: list, want: list, dense: int, stride: int) -> int:
+    """``launches`` fed to a fresh event manager once per line event ``k``
+    (every one up to ``dense``, then every ``stride``-th), the first launch
+    that reaches it cut there and fed again from its count, as the launcher
+    does after an interrupt: each run's events equal ``want``, and a cut
+    launch left no trace (its count at none or all of its records). How
+    many runs were cut, up to the first that ran through."""
     k, cut = 1, 0
     while True:
         em, _ = both(10**6, "sha256", log)
@@ -386,10 +399,9 @@ def test_a_launch_interrupted_anywhere_applies_whole_when_fed_again(seed):
         em.flush_iteration_events()
         assert em.get_latest_events() == want, f"interrupted at line event {k}"
         if not fired:
-            break
+            return cut
         cut += 1
-        k += 1 if k < 400 else 7
-    assert cut > 100
+        k += 1 if k < dense else stride
 
 
 def test_malformed_records_are_rejected_before_any_applies():
@@ -522,28 +534,6 @@ def test_a_commit_interrupted_anywhere_applies_whole_when_fed_again(decoder_rows
     log = RandomLog(rng)
     launches = [commits(log, 6), log.launch(20), commits(log, 8)]
     with mock.patch.object(events, "_ROWS_MAX", decoder_rows_max):
-        want_em, _ = both(10**6, "sha256", log)
-        for records, tokens in launches:
-            want_em.on_records(records, tokens)
-        want_em.flush_iteration_events()
-        want = want_em.get_latest_events()
+        want = uninterrupted_events(log, launches)
         assert any(getattr(event.data, "scope", None) is not None for event in want)
-
-        k = 1
-        while True:
-            em, _ = both(10**6, "sha256", log)
-            fired = False
-            for records, tokens in launches:
-                progress = np.zeros(1, dtype=np.int64)
-                if not fired:
-                    fired = interrupt_at(k, lambda: em.on_records(records, tokens, progress))
-                    if fired:
-                        assert progress[0] in (0, len(records))
-                em.on_records(records, tokens, progress)
-                assert progress[0] == len(records)
-            em.flush_iteration_events()
-            assert em.get_latest_events() == want, f"interrupted at line event {k}"
-            if not fired:
-                break
-            k += 1 if k < 300 else 5
-    assert k > 150
+        assert runs_cut_at_every_line(log, launches, want, dense=300, stride=5) >= 150
