@@ -767,7 +767,8 @@ class CacheCalls:
             grows = grows | (n1 % T != 0)
         stale = count // T + 2
         seen = self.pool.attached_at[slots]
-        whole = _both(some, seen == self.launcher.detaches if type(seen) is _ARRAY else int(seen) == self.launcher.detaches)
+        held = self.launcher.held_detaches
+        whole = _both(some, seen == held if type(seen) is _ARRAY else int(seen) == held)
         chain = _where(whole, blocks - full, blocks)  # the blocks a commit that grows may write
         rows = grows * _where(some, chain + 2, _STOP_ROWS)
         announced = grows * (log_tokens_rows_for(chain, self.L) if some is True else
@@ -775,16 +776,16 @@ class CacheCalls:
         return _total(rows), announced, _where(grows, _where(whole, chain + stale, blocks), stale), grows
 
     def _detaches(self):
-        """The tree's detach count before a launch (None: not known, an
-        earlier launch's aftermath is unfinished)."""
-        return None if self.launcher.pending else self.launcher.detaches
+        """The tree's count of detached blocks that caches refer to, before a
+        launch (None: not known, an earlier launch's aftermath is unfinished)."""
+        return None if self.launcher.pending else self.launcher.held_detaches
 
     def _seen_attached(self, slots, grows, before) -> None:
         """After a commit's launch: the chains of the caches whose commit added
         to the tree (``grows``) are whole in it, as the commit re-attached
-        them, unless a block was detached in the launch (``before``: the
-        count before it), perhaps after that cache's commit."""
-        if before is None or self.launcher.pending or self.launcher.detaches != before:
+        them, unless a block some cache refers to was detached in the launch
+        (``before``: the count before it), perhaps after that cache's commit."""
+        if before is None or self.launcher.pending or self.launcher.held_detaches != before:
             return
         if type(slots) is _ARRAY:
             self.pool.attached_at[slots[np.broadcast_to(grows, slots.shape)]] = before

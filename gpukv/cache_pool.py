@@ -120,10 +120,11 @@ class CachePool:
         self.serial = np.zeros(0, dtype=np.int64)  # the serial of the slot's cache, -1 when free
         # Ordinals whose page priorities the slot's callback gave (NO_CALLBACK: none to ask).
         self.priorities_known = np.zeros(0, dtype=np.int64)
-        # The tree's detach count (CNT_DETACHES) when each cache's committed
-        # chain was last seen whole in the tree (-1: not known). While the
-        # count has not moved since, no block of the chain was detached, so a
-        # commit re-attaches nothing and needs room for its new blocks only.
+        # The tree's count of detached blocks that caches refer to
+        # (CNT_HELD_DETACHES) when each cache's committed chain was last seen
+        # whole in the tree (-1: not known). While the count has not moved
+        # since, no block of the chain was detached, so a commit re-attaches
+        # nothing and needs room for its new blocks only.
         self.attached_at = np.zeros(0, dtype=np.int64)
         # The priority callback of each slot's cache, until the cache closes
         # (a callback that refers to its cache would otherwise keep it alive).

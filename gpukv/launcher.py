@@ -52,6 +52,7 @@ from . import kernel_cache
 from .core.errors import BusyError, TreeError
 from .core.layout import (
     CNT_DETACHES,
+    CNT_HELD_DETACHES,
     CNT_ERROR,
     CNT_LOG_LEN,
     CNT_LOG_TOKENS_LEN,
@@ -241,6 +242,7 @@ class Launcher:
         # stays the same (blocks and pages added since only lengthen a match).
         self.removals = 0
         self.detaches = 0  # the tree's detach count (CNT_DETACHES) after the last launch
+        self.held_detaches = 0  # ... of blocks a cache refers to (CNT_HELD_DETACHES)
         self._results = None  # the pending launch's results step
         self._log_fed = np.zeros(1, dtype=np.int64)  # records the event manager consumed
         # The pending launch's records, token rows, freed rows and where its
@@ -280,6 +282,7 @@ class Launcher:
         t = self.tables
         counters = t.counters_host()
         self.detaches = int(counters[CNT_DETACHES])
+        self.held_detaches = int(counters[CNT_HELD_DETACHES])
         self.removals = self.detaches + int(counters[CNT_UNLINKS])
         n = int(counters[CNT_NUM_COPIES])
         if n:

@@ -167,6 +167,11 @@ COUNTERS = Layout(
         ("evict_first", 1),  # evict-first pushes so far (they take ticks below zero)
         ("retired", 1),  # entries of the retired-row list of the current launch (below)
         ("unlinks", 1),  # pages severed from their blocks so far: with detaches, what ages a match (Launcher.removals)
+        # Detaches of blocks a cache refers to (``BLK_REFS > 0``): every block
+        # of an open cache's committed chain is referred to by it, so while
+        # this count stays the same, every such chain stays whole in the tree
+        # (eviction's victims, held by no cache, do not move it).
+        ("held_detaches", 1),
     ],
 )
 # Block rows a launch detaches or frees are retired, not reused in that launch:
@@ -453,6 +458,7 @@ CNT_DROPPED = 11
 CNT_EVICT_FIRST = 12
 CNT_RETIRED = 13
 CNT_UNLINKS = 14
+CNT_HELD_DETACHES = 15
 
 POLICY_COMMIT_MIN_SNAPSHOT = 0
 POLICY_SCRATCH_REWIND = 1

@@ -35,6 +35,7 @@ from ..core.layout import (
     CNT_BLOCK_FREE_TOP,
     CNT_DETACHES,
     CNT_ERROR,
+    CNT_HELD_DETACHES,
     CNT_LIVE_BLOCKS,
     CNT_LOG_LEN,
     CNT_RETIRED,
@@ -170,6 +171,8 @@ def detach(S, r):
     S.blocks[r, BLK_PARENT] = NULL
     S.blocks[r, BLK_FLAGS] &= ~FLAG_ATTACHED
     S.counters[CNT_DETACHES] += 1
+    if S.blocks[r, BLK_REFS] > 0:  # a cache's chain loses a block (CachePool.attached_at)
+        S.counters[CNT_HELD_DETACHES] += 1
     retire(S, r, RETIRED_REMOVED)  # EV_REMOVED, in its place among the log's records
     if is_root(S, parent) and S.blocks[parent, BLK_NUM_CHILDREN] == 0:
         index_remove(S, parent)

@@ -135,12 +135,14 @@ def test_one_cache_beyond_the_budget_gets_a_launch_of_its_own(tiny_log):
 def test_a_decode_step_over_whole_chains_reserves_for_its_new_blocks_only(monkeypatch, backend):
     """A commit that completes a block re-attaches its committed chain if a
     block of it was detached meanwhile, so its change-log room covers the
-    chain, unless no block was detached since the chain was last seen whole
-    (``CachePool.attached_at``): then only the new block. Eight caches of 40
-    committed blocks each completing a block fit one launch of the least log
-    (64 token rows) that way, where the chains' room would split it; after a
-    detach anywhere the room covers the chains again. Each step equals the
-    per-cache calls on a twin."""
+    chain, unless no block a cache refers to was detached since the chain was
+    last seen whole (``CachePool.attached_at``): then only the new block.
+    Eight caches of 40 committed blocks each completing a block fit one
+    launch of the least log (64 token rows) that way, where the chains' room
+    would split it. A detached block no cache holds (an eviction victim)
+    leaves that so; after a detach of a block in a cache's chain the room
+    covers the chains again, and the chain is re-attached. Each step equals
+    the per-cache calls on a twin."""
     monkeypatch.setattr(table_sizes, "CHANGE_LOG_BUDGET", 0)  # the log at its least; the copy list as it is
     mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=2000)
     twin = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=2000)
@@ -166,13 +168,21 @@ def test_a_decode_step_over_whole_chains_reserves_for_its_new_blocks_only(monkey
         return mgr._launcher.launches - before
 
     assert step(1) == 1
-    other = mgr.create_kv_cache()  # a block of its own, then detached: the count moves
+    other = mgr.create_kv_cache()  # a block of its own, closed, then detached: held by no cache
     assert other.resume() and other.resize(T)
     other.commit([99_999] * T)
     other.close()
     block, _ = introspect.add_block(mgr, [99_999] * T)
+    detaches = introspect.detach_count(mgr)
     introspect.remove_subtree(mgr, block)
+    assert introspect.detach_count(mgr) == detaches + 1
+    assert step(T) == 1  # the chains are still whole
+    chain = prompts[3] + [7 + 3] * (T + 1)  # kvs[3]'s 41 committed blocks
+    assert introspect.reuse_match_pages(mgr, chain, 0)[0] == 41 * T
+    introspect.remove_subtree(mgr, introspect.committed_blocks(kvs[3])[20])  # the middle of its chain, and on
+    assert introspect.reuse_match_pages(mgr, chain, 0)[0] == 20 * T
     assert step(T) > 1  # the chains' room again: the tiny log splits the step
+    assert introspect.reuse_match_pages(mgr, chain + [7 + 3] * T, 0)[0] == 42 * T  # re-attached, and the new block
     assert step(T) == 1  # seen whole by that step
     mgr.close_batch(kvs)
     introspect.check_sanity(mgr)
