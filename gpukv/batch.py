@@ -21,10 +21,13 @@ through the same steps, each written once:
 
 A call's values are ints for one cache and int64 arrays for many, and one
 expression serves both (the helpers below, ``_any`` to ``_select``, are the
-few steps that differ). A per-cache call, which an engine's scheduler makes
-hundreds of times per step, thus costs its checks in plain Python and one
-launch, with no array built for it; a batched call of one cache takes the
-same fast path.
+few steps that differ). A commit's and an append's checks and room, the
+rules a decode step runs over every running cache, are functions of one
+cache's ints (``core/call_room.py``): Python for one cache, one compiled
+loop over the caches' scalars for many. A per-cache call, which an engine's
+scheduler makes hundreds of times per step, thus costs its checks in plain
+Python and one launch, with no array built for it; a batched call of one
+cache takes the same fast path.
 
 The result of a batched call equals issuing the per-cache calls one by one in
 the order given: the kernel runs the same per-cache code on each cache in
@@ -48,6 +51,18 @@ import numpy as np
 from . import inputs
 from .cache import KVCache
 from .cache_pool import is_batch, ranges, with_room
+from .core.call_room import (
+    COMMIT_NOT_AT_SNAPSHOT,
+    COMMIT_PAST_CAPACITY,
+    COMMIT_STOPPED,
+    PLAN_WIDTH,
+    STOP_ROWS,
+    append_rules,
+    can_hold,
+    can_hold_each,
+    plan_appends,
+    stop_announced,
+)
 from .core.config import DEFAULT_PRIORITY, check_priority
 from .core.errors import BusyError, LogicError, StaleMatchError
 from .core.layout import (
@@ -64,7 +79,6 @@ from .core.layout import (
     SEQ_ADMIT,
     SEQ_APPEND,
     SEQ_CLOSE,
-    SEQ_COMMIT,
     SEQ_RESIZE,
     SEQ_RESUME,
     SEQ_SETUP_MATCHED,
@@ -72,7 +86,6 @@ from .core.layout import (
     SEQ_STOP,
     SEQ_SUSPEND,
     SUSPENDED,
-    USER_STOP,
 )
 from .core.scope import as_scope
 from .kernels.sha256 import digest_to_int64x4
@@ -84,7 +97,6 @@ from .table_sizes import (
     copy_rows_per_block,
     log_rows_for,
     log_rows_per_block,
-    log_tokens_rows_for,
 )
 from .tokens import token_array, tokens_and_digests
 
@@ -122,14 +134,6 @@ def _max(a, b):
     return np.maximum(a, b) if type(a) is _ARRAY or type(b) is _ARRAY else max(a, b)
 
 
-def _min(a, b):
-    return np.minimum(a, b) if type(a) is _ARRAY or type(b) is _ARRAY else min(a, b)
-
-
-def _where(cond, a, b):
-    return np.where(cond, a, b) if type(cond) is _ARRAY else (a if cond else b)
-
-
 def _count(slots) -> int:
     return len(slots) if type(slots) is _ARRAY else 1
 
@@ -150,21 +154,6 @@ def _select(ok, columns: list):
     return [c[go] if type(c) is _ARRAY else c for c in columns], go
 
 
-def _some(count):
-    """Where a call commits tokens (``count > 0``): True when every cache
-    does (a decode step), which the steps below take for all of them, so
-    that each ``_where`` and ``_both`` on it is no array operation."""
-    some = count > 0
-    if type(some) is _ARRAY and some.size and some.all():
-        return True
-    return some
-
-
-def _both(a, b):
-    """``a & b``, ``b`` itself where ``a`` is True."""
-    return b if a is True else a & b
-
-
 def _flag(value, n: int, name: str, what: str):
     """A batched call's bool for all (kept a bool) or one per cache (an array)."""
     if type(value) is bool:
@@ -178,29 +167,11 @@ def _offsets(counts) -> np.ndarray:
     return out
 
 
-# A stop or a close commits at most its pending partial tail: free block rows
-# for it and its root, and change-log token rows for announcing it.
-_STOP_ROWS = 2
-
-
-def _stop_announced(num_blocks):
-    return 2 * num_blocks + 2
-
-
-def pools_can_hold(rules, T: int, have, blocks, history):
-    """False where some life cycle would need more new pages for ``blocks``
-    blocks than its whole GPU pool has (``CachePool.hold_rules``): full
-    attention one per new block past the ``have`` the cache holds, a sliding
-    window one per new block past its stale range at ``history``
-    (``LifeCycle.stale_range``)."""
-    ok = True
-    for window, sinks, pool in rules:
-        first_new = have
-        if window:
-            start = _min(-(-history // T), sinks)
-            first_new = _max(have, _max(start, (history + 1 - window) // T))
-        ok = _both(ok, blocks - first_new <= pool)
-    return ok
+def _int64s(value, n: int) -> np.ndarray:
+    """A batched call's int (or bool) for all, or one per cache, as int64 ``[n]``."""
+    if type(value) is _ARRAY:
+        return value.astype(np.int64, copy=False)
+    return np.full(n, value, dtype=np.int64)
 
 
 # -- how a call's errors read ------------------------------------------------------------------
@@ -288,6 +259,7 @@ class CacheCalls:
         self.T = ctx.config.tokens_per_block
         self.L = len(ctx.config.life_cycles)
         self._stats = stats  # callable: the manager's current ReuseStats
+        self._min_snapshot = bool(ctx.config.commit_min_snapshot)
 
     def _scalars(self, slots, *columns) -> list:
         """The caches' scalars ``columns`` (``Q_*``): arrays for many caches,
@@ -347,7 +319,7 @@ class CacheCalls:
         status, nb = self._scalars(slot, Q_STATUS, Q_NUM_BLOCKS)
         if status == CLOSED:
             raise LogicError("stop_committing() on a closed KV cache")
-        self._reserve_and_launch(None, slot, SEQ_STOP, rows=_STOP_ROWS, announced=_stop_announced(nb), span=nb)
+        self._reserve_and_launch(None, slot, SEQ_STOP, rows=STOP_ROWS, announced=stop_announced(nb), span=nb)
 
     def close_one(self, kv: KVCache, evict_first):
         if not isinstance(evict_first, bool):
@@ -409,7 +381,7 @@ class CacheCalls:
         blocks = -(-cap // self.T)
         # Sizes no pool could ever give are refused before the launch: those
         # caches are only resumed (capacity -1), as a refused resize leaves them.
-        sized = pools_can_hold(self.pool.hold_rules, self.T, nblocks, blocks, matched) & (blocks <= self.pool.max_blocks)
+        sized = self._can_hold(nblocks, blocks, matched)
         rows = np.maximum(nblocks, blocks)
         growth = grown = None
         if grow is not None:
@@ -689,91 +661,103 @@ class CacheCalls:
         blocks = -(-cap // self.T)
         # Refused before anything is allocated for the new blocks: more than a
         # whole pool, or more blocks than all the pools have pages.
-        ok = pools_can_hold(self.pool.hold_rules, self.T, have, blocks, hist) & (blocks <= self.pool.max_blocks)
+        ok = self._can_hold(have, blocks, hist)
         picked, go = _select(ok, [slots, cap, hist, have, blocks])
         if picked is None:
             return None
         return (go, *picked)
+
+    def _can_hold(self, have, blocks, history):
+        """``call_room.can_hold`` for each cache (arrays) or the one (ints):
+        False where the pools could never give ``blocks`` blocks to a cache
+        holding ``have`` at ``history``."""
+        pool = self.pool
+        if type(blocks) is not _ARRAY:
+            return can_hold(pool.hold_rules, self.T, have, blocks, history, pool.max_blocks)
+        n = len(blocks)
+        out = np.empty(n, dtype=bool)
+        can_hold_each(pool.hold_table, self.T, _int64s(have, n), blocks.astype(np.int64, copy=False),
+                      _int64s(history, n), pool.max_blocks, out)
+        return out
 
     def _commit(self, naming, slots, flat, count, end, interned, offsets=None):
         """``commit`` of ``count`` tokens of ``flat`` each (in order; for one
         cache all of them), ``end`` its ``is_end``; ``interned()``: ``flat``
         again with its digests interned (None: it holds none); ``offsets``:
         where each cache's tokens start in ``flat`` (and the last ends), when
-        the caller has them (None: from ``count``)."""
-        flat, n0, n1, some, cap, h, full, nb = self._checked_commit(naming, slots, flat, count, interned)
-        # No tokens and no end: nothing to do (a stop is a commit of none that ends).
-        run = some if some is True else some | end
-        if type(run) is not _ARRAY:
-            if not run:
-                return
-        else:
-            picked, go = _select(run, [slots, n0, n1, count, end, some, full, nb])
-            if picked is None:
-                return
-            slots, n0, n1, count, end, some, full, nb = picked
-            if go is not None:  # those left out hold no tokens
-                offsets = _offsets(count)
-        if offsets is None and type(count) is _ARRAY:
-            offsets = _offsets(count)
-        rows, announced, span, grows = self._commit_room(slots, n1, count, end, some, full, nb)
-        before = self._detaches()
-        self._reserve_and_launch(naming, slots, _where(some, SEQ_COMMIT, SEQ_STOP), (n0, count, end),
-                                 rows=rows, announced=announced, span=span, allocated=2 * some, tokens=flat,
-                                 tokens_off=offsets)
-        self._seen_attached(slots, grows, before)
+        the caller has them (None: from ``count``). An append of no room."""
+        self._append(naming, slots, flat, count, end, 0, interned, offsets)
 
-    def _checked_commit(self, naming, slots, flat, count, interned):
-        """What a commit of ``count`` tokens to each cache checks first (``_commit``
-        and ``_append``): ``(flat, n0, n1, some, cap, h, full, nb)``, the
-        committed length before and after, whether any token comes (True when
-        every cache's does), the capacity, the history, the committed and the
-        held blocks, and ``flat`` with its digests interned."""
-        n0, state, cap, h, full, nb = self._scalars(
-            slots, Q_COMMITTED, Q_COMMIT_STATE, Q_CAPACITY, Q_HISTORY, Q_COMMITTED_BLOCKS, Q_NUM_BLOCKS)
-        n1 = n0 + count
-        some = _some(count)
-        if _any(_both(some, (state == USER_STOP) | (n1 > cap))):  # one test; the first rule broken is named
-            naming.check(_both(some, state == USER_STOP), LogicError, "Cannot commit tokens after stop_committing()")
-            naming.check(_both(some, n1 > cap), ValueError, "committing {} tokens would pass the capacity ({} > {})",
-                         count, n1, cap)
-        if self.config.commit_min_snapshot:
-            naming.check(_both(some, (h != n0) & (h != n1)), ValueError,
-                         "commit_min_snapshot: history_length ({}) must equal the committed length before ({}) or "
-                         "after ({}) the commit of {} tokens", h, n0, n1, count)
+    def _append(self, naming, slots, flat, count, end, room, interned, offsets=None):
+        """``append`` of ``count`` tokens of ``flat`` to each cache (in order;
+        for one cache all of them), ``end`` its ``is_end``: the commit, then,
+        unless it ends, a resize to whole blocks past ``room`` more tokens
+        where the capacity is short, the history as the commit leaves it; in
+        one launch. True where the room is there, False where a pool was
+        short for it: the commit stays and the capacity is as it was, as
+        ``commit`` then ``resize`` one by one leave them. ``interned`` and
+        ``offsets`` as ``_commit`` takes them.
+
+        The checks and the room are ``call_room.append_rules``: run on the
+        cache's ints for one cache, compiled over the caches' scalars for many."""
+        pool = self.pool
+        held = self.launcher.held_detaches
+        if type(slots) is _ARRAY:
+            n = len(slots)
+            plan = np.empty((n, PLAN_WIDTH), dtype=np.int64)
+            plan_appends(pool.host_scalars, pool.attached_at, slots, count, _int64s(end, n), _int64s(room, n), held,
+                         self.T, self.L, self._min_snapshot, pool.hold_table, pool.max_blocks, pool.scratch_width, plan)
+            error, run, done, resizing, blocks, grows, rows, announced, span, allocated, room, n0 = plan.T
+            done = done != 0
+        else:
+            q = pool.host_scalars[slots].tolist()
+            error, run, done, resizing, blocks, grows, rows, announced, span, allocated, room, n0 = append_rules(
+                q[Q_COMMITTED], q[Q_COMMIT_STATE], q[Q_CAPACITY], q[Q_HISTORY], q[Q_COMMITTED_BLOCKS], q[Q_NUM_BLOCKS],
+                int(pool.attached_at[slots]), count, end, room, held, self.T, self.L, self._min_snapshot,
+                pool.hold_rules, pool.max_blocks, pool.scratch_width)
+        if _any(error):
+            self._refuse_commit(naming, slots, error, count)
         if interned is not None:
             flat = interned()
-        return flat, n0, n1, some, cap, h, full, nb
+        picked, go = _select(run, [slots, n0, count, end, room, blocks, resizing, grows, rows, announced, span, allocated])
+        if picked is None:
+            return done
+        if type(count) is _ARRAY and offsets is None:
+            offsets = _offsets(count)
+        if go is not None:
+            flat = flat[ranges(offsets[go], count[go])]
+        slots, n0, count, end, room, blocks, resizing, grows, rows, announced, span, allocated = picked
+        if go is not None:
+            offsets = _offsets(count)
+        reserved = pool.seg[slots, 1] if type(slots) is _ARRAY else int(pool.seg[slots, 1])  # a copy
+        before = self._detaches()
+        blocks = blocks if _any(resizing) else None  # else each holds its blocks already: no segment rows or priorities
+        self._reserve_and_launch(naming, slots, SEQ_APPEND, (n0, count, end, room), segment=blocks, priorities=blocks,
+                                 rows=_total(rows), announced=announced, span=span, allocated=allocated, tokens=flat,
+                                 tokens_off=offsets)
+        self._seen_attached(slots, grows, before)
+        ok = pool.host_scalars[slots, Q_RESULT] != 0
+        if not _all(ok):  # a refused room keeps no segment rows it reserved
+            pool.trim(slots[~ok] if type(slots) is _ARRAY else slots, reserved[~ok] if type(slots) is _ARRAY else reserved)
+        if type(done) is not _ARRAY:
+            return bool(done and ok)
+        if go is None:
+            return done & ok
+        done[go] &= ok
+        return done
 
-    def _commit_room(self, slots, n1, count, end, some, full, nb):
-        """The table room of a commit that ends at ``n1`` tokens: ``(rows,
-        announced, span, grows)``, the first three as ``_reserve_and_launch``
-        takes them, ``grows``: where the commit adds to the tree.
-
-        Only a commit that completes a block, snapshots a partial one or ends
-        the sequence adds to the tree: for it the new blocks and, unless the
-        committed chain is known whole in the tree (``CachePool.attached_at``),
-        a re-attached chain (the whole committed chain, in case it was detached
-        meanwhile), announcements per life cycle; for a stop its pending tail.
-        Most decode commits complete no block and reserve nothing: room is for
-        the blocks a call can touch, so a decode step over a large batch
-        reserves no block rows or log tokens for the chains its caches already
-        committed. The rest only raise their history: per life cycle at most
-        the blocks that many tokens make stale."""
-        T = self.T
-        blocks = _where(some, (n1 + (T - 1)) // T, nb)
-        grows = n1 // T > full if end is False else (n1 // T > full) | end
-        if self.config.commit_min_snapshot:
-            grows = grows | (n1 % T != 0)
-        stale = count // T + 2
-        seen = self.pool.attached_at[slots]
-        held = self.launcher.held_detaches
-        whole = _both(some, seen == held if type(seen) is _ARRAY else int(seen) == held)
-        chain = _where(whole, blocks - full, blocks)  # the blocks a commit that grows may write
-        rows = grows * _where(some, chain + 2, _STOP_ROWS)
-        announced = grows * (log_tokens_rows_for(chain, self.L) if some is True else
-                             _where(some, log_tokens_rows_for(chain, self.L), _stop_announced(nb)))
-        return _total(rows), announced, _where(grows, _where(whole, chain + stale, blocks), stale), grows
+    def _refuse_commit(self, naming, slots, error, count):
+        """Raise for the first rule ``error`` (``append_rules``' codes, one
+        per cache) says is broken, naming the first cache that breaks it."""
+        n0, cap, h = self._scalars(slots, Q_COMMITTED, Q_CAPACITY, Q_HISTORY)
+        n1 = n0 + count
+        naming.check(error == COMMIT_STOPPED, LogicError, "Cannot commit tokens after stop_committing()")
+        naming.check(error == COMMIT_PAST_CAPACITY, ValueError,
+                     "committing {} tokens would pass the capacity ({} > {})", count, n1, cap)
+        naming.check(error == COMMIT_NOT_AT_SNAPSHOT, ValueError,
+                     "commit_min_snapshot: history_length ({}) must equal the committed length before ({}) or after "
+                     "({}) the commit of {} tokens", h, n0, n1, count)
+        raise AssertionError(f"unknown commit error {error!r}")
 
     def _detaches(self):
         """The tree's count of detached blocks that caches refer to, before a
@@ -788,68 +772,16 @@ class CacheCalls:
         if before is None or self.launcher.pending or self.launcher.held_detaches != before:
             return
         if type(slots) is _ARRAY:
-            self.pool.attached_at[slots[np.broadcast_to(grows, slots.shape)]] = before
+            self.pool.attached_at[slots[grows != 0]] = before
         elif grows:
             self.pool.attached_at[slots] = before
-
-    def _append(self, naming, slots, flat, count, end, room, interned, offsets=None):
-        """``append`` of ``count`` tokens of ``flat`` to each cache (in order;
-        for one cache all of them), ``end`` its ``is_end``: the commit, then,
-        unless it ends, a resize to whole blocks past ``room`` more tokens
-        where the capacity is short, the history as the commit leaves it; in
-        one launch. True where the room is there, False where a pool was
-        short for it: the commit stays and the capacity is as it was, as
-        ``commit`` then ``resize`` one by one leave them. ``offsets`` as
-        ``_commit`` takes them."""
-        T = self.T
-        flat, n0, n1, some, cap, h, full, nb = self._checked_commit(naming, slots, flat, count, interned)
-        want = n1 + room
-        blocks = _max(nb, (want + (T - 1)) // T)  # once the room is made
-        # A room no pool could ever give is not asked for, as resize refuses
-        # it before the launch; the commit goes ahead.
-        resizing = want > cap if end is False else (want > cap) & (end ^ True)
-        can_grow = pools_can_hold(self.pool.hold_rules, T, nb, blocks, _max(h, n1)) & (blocks <= self.pool.max_blocks)
-        done = (resizing ^ True) | can_grow
-        resizing = resizing & can_grow
-        run = some if some is True else some | end | resizing
-        picked, go = _select(run, [slots, n0, n1, count, end, some, full, nb, blocks, resizing, room])
-        if picked is None:
-            return done
-        if type(count) is _ARRAY and offsets is None:
-            offsets = _offsets(count)
-        if go is not None:
-            flat = flat[ranges(offsets[go], count[go])]
-        slots, n0, n1, count, end, some, full, nb, blocks, resizing, room = picked
-        if go is not None:
-            offsets = _offsets(count)
-        reserved = self.pool.seg[slots, 1] if type(slots) is _ARRAY else int(self.pool.seg[slots, 1])  # a copy
-        # The room of the commit, and of the resize where there is one: its
-        # new blocks' segment rows, priorities and pages.
-        rows, announced, span, grows = self._commit_room(slots, n1, count, end, some, full, nb)
-        new = blocks - nb
-        before = self._detaches()
-        self._reserve_and_launch(
-            naming, slots, SEQ_APPEND, (n0, count, end, _where(resizing, room, 0)), segment=blocks, priorities=blocks,
-            rows=rows, announced=announced, span=span + new,
-            allocated=_where(resizing, new + self.pool.scratch_width + 1, 0) + 2 * some,
-            tokens=flat, tokens_off=offsets)
-        self._seen_attached(slots, grows, before)
-        ok = self.pool.host_scalars[slots, Q_RESULT] != 0
-        if not _all(ok):  # a refused room keeps no segment rows it reserved
-            self.pool.trim(slots[~ok] if type(slots) is _ARRAY else slots, reserved[~ok] if type(slots) is _ARRAY else reserved)
-        if type(done) is not _ARRAY:
-            return bool(done and ok)
-        if go is None:
-            return done & ok
-        done[go] &= ok
-        return done
 
     def _close(self, slots, evict_first, caches):
         """``close(evict_first)`` of caches not closed yet (``caches``: the
         KVCache of each slot, which leaves the open set)."""
         (nb,) = self._scalars(slots, Q_NUM_BLOCKS)
-        self._reserve_and_launch(None, slots, SEQ_CLOSE, (evict_first,), rows=_STOP_ROWS * _count(slots),
-                                 announced=_stop_announced(nb), span=nb, closing=caches)
+        self._reserve_and_launch(None, slots, SEQ_CLOSE, (evict_first,), rows=STOP_ROWS * _count(slots),
+                                 announced=stop_announced(nb), span=nb, closing=caches)
 
     # -- the launch ---------------------------------------------------------------------------
     def _reserve_and_launch(self, naming, slots, op, args=(), *, segment=None, priorities=None, rows=0, announced=0,

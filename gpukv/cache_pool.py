@@ -103,6 +103,7 @@ class CachePool:
         self.width = max(self.L, 1)
         self.scratch_width = scratch_width(config)
         self.hold_rules = hold_rules(config)
+        self.hold_table = np.array(self.hold_rules, dtype=np.int64).reshape(-1, 3)  # the same, for compiled loops
         # The most blocks a cache may have: every GPU page of every life
         # cycle, and at least MAX_BLOCKS_FLOOR. Full attention needs a page per
         # block anyway; without it (windows, SSM) nothing else bounds the

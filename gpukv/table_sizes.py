@@ -7,7 +7,8 @@ Block-indexed tables start at ``INITIAL_BLOCK_ROWS`` (or
 ``CacheConfig.max_blocks`` are allocated at that size once. The change log
 and the page-copy list are kept within fixed byte budgets whatever the tree's
 size (``CHANGE_LOG_BUDGET``, ``COPY_LIST_BUDGET``); what one launch needs of
-them is ``log_rows_for`` / ``log_tokens_rows_for`` / ``copy_rows_for``, and a
+them is ``log_rows_for`` / ``copy_rows_for`` (and the announced-token rows of a
+commit, ``core.call_room.log_tokens_rows_for``), and a
 batch that needs more runs as consecutive launches (``batch.CacheCalls._reserve_and_launch``).
 """
 
@@ -74,13 +75,6 @@ def log_rows_for(blocks: int, announced: int, num_life_cycles: int) -> int:
 def log_rows_per_block(num_life_cycles: int) -> int:
     """What each block of ``log_rows_for`` adds (the rest is a launch's constant)."""
     return 1 + 4 * num_life_cycles
-
-
-def log_tokens_rows_for(blocks: int, num_life_cycles: int) -> int:
-    """Announced-token rows a commit of up to ``blocks`` blocks may need:
-    new blocks, a re-attached chain, and a rebase announcing each life cycle
-    (``KVCache.commit``; close and stop need fewer)."""
-    return (num_life_cycles + 2) * blocks + 2
 
 
 def scratch_width(config: CacheConfig) -> int:

@@ -1,0 +1,165 @@
+"""What a call on one cache asks of the tables, written once over ints.
+
+A commit or an append of tokens is checked and sized per cache: whether it
+may commit, whether the room it asks for can ever be given, and how much of
+the tables its launch may touch (block rows, change-log rows, pages). Each
+rule here is a plain function of ints (``numba.extending.register_jitable``):
+a per-cache call runs it as Python, and a batched call runs it compiled, once
+per cache, in one loop over the caches' scalars (``plan_appends``,
+``can_hold_each``), where dozens of NumPy operations over the caches'
+columns used to make up most of a decode step's host time.
+
+It lives beside the layout it reads, so the compiled loops are cached with
+the kernels and compiled again whenever either changes
+(``backend.CACHE_DIR``).
+"""
+
+from __future__ import annotations
+
+from numba.extending import register_jitable
+
+from .backend import cpu_kernel
+from .layout import Q_CAPACITY, Q_COMMIT_STATE, Q_COMMITTED, Q_COMMITTED_BLOCKS, Q_HISTORY, Q_NUM_BLOCKS, USER_STOP
+
+# Why a commit is refused (``append_rules``' first value), in the order the
+# rules are checked.
+COMMIT_OK = 0
+COMMIT_STOPPED = 1  # tokens after stop_committing()
+COMMIT_PAST_CAPACITY = 2  # more tokens than the capacity holds
+COMMIT_NOT_AT_SNAPSHOT = 3  # commit_min_snapshot: the history is at neither end of the commit
+
+# A stop or a close commits at most its pending partial tail: free block rows
+# for it and its root.
+STOP_ROWS = 2
+
+# The columns of ``plan_appends``' output, one row per cache: ``append_rules``' values in order.
+(PLAN_ERROR, PLAN_RUN, PLAN_DONE, PLAN_RESIZING, PLAN_BLOCKS, PLAN_GROWS, PLAN_ROWS, PLAN_ANNOUNCED, PLAN_SPAN,
+ PLAN_ALLOCATED, PLAN_ROOM, PLAN_FIRST) = range(12)
+PLAN_WIDTH = 12
+
+
+@register_jitable
+def log_tokens_rows_for(blocks, num_life_cycles):
+    """Announced-token rows a commit of up to ``blocks`` blocks may need:
+    new blocks, a re-attached chain, and a rebase announcing each life cycle
+    (close and stop need fewer: ``stop_announced``)."""
+    return (num_life_cycles + 2) * blocks + 2
+
+
+@register_jitable
+def stop_announced(num_blocks):
+    """Announced-token rows of a stop or a close of a cache of ``num_blocks`` blocks."""
+    return 2 * num_blocks + 2
+
+
+@register_jitable
+def can_hold(hold, T, have, blocks, history, max_blocks):
+    """Whether a cache of ``have`` blocks may grow to ``blocks`` at history
+    ``history``: False where some life cycle would need more new pages than
+    its whole GPU pool has, or ``blocks`` passes ``max_blocks``. ``hold``:
+    one row ``(window, sink blocks, GPU pool pages)`` per life cycle whose
+    new blocks need pages of their own (``cache_pool.hold_rules``): full
+    attention (window 0) one per new block past ``have``, a sliding window
+    one per new block past its stale range (``LifeCycle.stale_range``)."""
+    if blocks > max_blocks:
+        return False
+    for k in range(len(hold)):
+        window, sinks, pool = hold[k][0], hold[k][1], hold[k][2]
+        first_new = have
+        if window:
+            start = min(-(-history // T), sinks)
+            first_new = max(have, max(start, (history + 1 - window) // T))
+        if blocks - first_new > pool:
+            return False
+    return True
+
+
+@register_jitable
+def append_rules(n0, state, cap, h, full, nb, seen, count, end, room, held, T, L, min_snapshot, hold, max_blocks,
+                 scratch):
+    """The checks and the table room of an append of ``count`` tokens, then
+    room for ``room`` more unless it ends (``end``), to a cache whose
+    scalars are ``n0`` committed tokens, commit state ``state``, capacity
+    ``cap``, history ``h``, ``full`` committed and ``nb`` held blocks, whose
+    chain was last seen whole at ``seen`` (``CachePool.attached_at``; the
+    count is ``held`` now). A commit is an append of room 0. Returns, in the
+    order of the ``PLAN_*`` columns:
+
+    - ``error``: a ``COMMIT_*`` code, the first rule broken;
+    - ``run``: whether there is anything to launch (tokens, an end, or room
+      to make);
+    - ``done``: False where the room is refused before the launch (no pool
+      could ever give it; the commit goes ahead);
+    - ``resizing``: whether the launch makes room;
+    - ``blocks``: the blocks the cache holds once the room is made (its
+      segment's rows and the priorities it needs);
+    - ``grows``: whether the commit adds to the tree, then ``rows``,
+      ``announced``, ``span`` and ``allocated`` as
+      ``CacheCalls._reserve_and_launch`` takes them;
+    - ``room``: the kernel's room argument (0 unless resizing), and ``n0``.
+
+    Only a commit that completes a block, snapshots a partial one or ends the
+    sequence adds to the tree: for it the new blocks and, unless the
+    committed chain is known whole in the tree (``seen == held``), a
+    re-attached chain (the whole committed chain, in case it was detached
+    meanwhile), announcements per life cycle; for a stop its pending tail.
+    Most decode commits complete no block and reserve nothing: a decode step
+    over a large batch reserves no block rows or log tokens for the chains
+    its caches already committed. The rest only raise their history: per
+    life cycle at most the blocks that many tokens make stale."""
+    n1 = n0 + count
+    some = count > 0
+    error = COMMIT_OK
+    if some and state == USER_STOP:
+        error = COMMIT_STOPPED
+    elif some and n1 > cap:
+        error = COMMIT_PAST_CAPACITY
+    elif some and min_snapshot and h != n0 and h != n1:
+        error = COMMIT_NOT_AT_SNAPSHOT
+    want = n1 + room
+    blocks = max(nb, (want + (T - 1)) // T)  # once the room is made
+    # A room no pool could ever give is not asked for, as resize refuses it
+    # before the launch; the commit goes ahead.
+    resizing = want > cap and not end
+    can_grow = can_hold(hold, T, nb, blocks, max(h, n1), max_blocks)
+    done = can_grow or not resizing
+    resizing = resizing and can_grow
+    grows = n1 // T > full or end or (min_snapshot and n1 % T != 0)
+    committed = (n1 + (T - 1)) // T if some else nb
+    whole = some and seen == held
+    chain = committed - full if whole else committed  # the blocks a commit that grows may write
+    span = count // T + 2  # the blocks the tokens make stale
+    rows = 0
+    announced = 0
+    if grows:
+        rows = chain + 2 if some else STOP_ROWS
+        announced = log_tokens_rows_for(chain, L) if some else stop_announced(nb)
+        span = chain + span if whole else committed
+    new = blocks - nb
+    allocated = 2 * some + (new + scratch + 1 if resizing else 0)
+    return (error, some or end or resizing, done, resizing, blocks, grows, rows, announced, span + new, allocated,
+            room if resizing else 0, n0)
+
+
+def _plan_appends(S, attached_at, slots, count, end, room, held, T, L, min_snapshot, hold, max_blocks, scratch, out):
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        r = append_rules(S[s, Q_COMMITTED], S[s, Q_COMMIT_STATE], S[s, Q_CAPACITY], S[s, Q_HISTORY],
+                         S[s, Q_COMMITTED_BLOCKS], S[s, Q_NUM_BLOCKS], attached_at[s], count[i], end[i] != 0, room[i],
+                         held, T, L, min_snapshot, hold, max_blocks, scratch)
+        (out[i, PLAN_ERROR], out[i, PLAN_RUN], out[i, PLAN_DONE], out[i, PLAN_RESIZING], out[i, PLAN_BLOCKS],
+         out[i, PLAN_GROWS], out[i, PLAN_ROWS], out[i, PLAN_ANNOUNCED], out[i, PLAN_SPAN], out[i, PLAN_ALLOCATED],
+         out[i, PLAN_ROOM], out[i, PLAN_FIRST]) = r
+
+
+def _can_hold_each(hold, T, have, blocks, history, max_blocks, out):
+    for i in range(blocks.shape[0]):
+        out[i] = can_hold(hold, T, have[i], blocks[i], history[i], max_blocks)
+
+
+# ``append_rules`` for the caches in ``slots`` (a host scalars table ``S``
+# and ``attached_at``; ``count``, ``end``, ``room``: int64, one per cache),
+# one row of ``out`` (int64 ``[n, PLAN_WIDTH]``) each.
+plan_appends = cpu_kernel(_plan_appends)
+# ``can_hold`` per cache into ``out`` (bool), ``hold`` an int64 ``[k, 3]`` table.
+can_hold_each = cpu_kernel(_can_hold_each)
