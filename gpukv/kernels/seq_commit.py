@@ -10,7 +10,7 @@ the tree, and checkpoint kinds' state is copied (moved on ``is_end``).
 
 from __future__ import annotations
 
-from ..core.kinds import is_checkpoint
+from ..core.kinds import has_window, is_checkpoint
 from ..core.layout import (
     ALLOWED,
     BLK_NUM_TOKENS,
@@ -249,6 +249,20 @@ def stop_committing(S, Q, out):
         on_stop_committing(S, Q)
 
 
+@helper
+def raise_history(S, Q, h):
+    """The history raised to ``h`` as ``resize`` at the same capacity does
+    it. Only a sliding window's blocks go stale, and only scratch slots are
+    released as the history passes them: without either (full attention and
+    recurrent state, a decode step's common case) the history is all that
+    changes, and the general walk is skipped."""
+    for lc in range(S.lc_kind.shape[0]):
+        if has_window(S.lc_kind[lc]) or Q.scratch_count[lc] != 0:
+            resize(S, Q, Q.scalars[Q_CAPACITY], h)
+            return
+    Q.scalars[Q_HISTORY] = h
+
+
 @helper(inline=False)
 def commit(S, Q, n0, k, is_end, out):
     """§2.5 ``commit``: the host already validated, raised the history and
@@ -261,7 +275,7 @@ def commit(S, Q, n0, k, is_end, out):
             has_ssm = True
     n1 = n0 + k
     if Q.scalars[Q_HISTORY] < n1:  # raising the history never allocates
-        resize(S, Q, Q.scalars[Q_CAPACITY], n1)
+        raise_history(S, Q, n1)
     Q.scalars[Q_COMMITTED] = n1
     if Q.scalars[Q_COMMIT_STATE] == VIRTUAL_STOP:
         if is_end:
