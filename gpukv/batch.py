@@ -55,11 +55,21 @@ from .core.call_room import (
     COMMIT_NOT_AT_SNAPSHOT,
     COMMIT_PAST_CAPACITY,
     COMMIT_STOPPED,
+    PLAN_ALLOCATED,
+    PLAN_ANNOUNCED,
+    PLAN_BLOCKS,
+    PLAN_DONE,
+    PLAN_ERROR,
+    PLAN_RUN,
+    PLAN_SPAN,
     PLAN_WIDTH,
     STOP_ROWS,
+    TOTALS_WIDTH,
     append_rules,
+    appended,
     can_hold,
     can_hold_each,
+    log_blocks,
     plan_appends,
     stop_announced,
 )
@@ -67,6 +77,9 @@ from .core.config import DEFAULT_PRIORITY, check_priority
 from .core.errors import BusyError, LogicError, StaleMatchError
 from .core.layout import (
     ACTIVE,
+    BATCH_ARGS,
+    BATCH_TOKENS,
+    BATCH_WIDTH,
     CLOSED,
     Q_CAPACITY,
     Q_COMMIT_STATE,
@@ -304,7 +317,7 @@ class CacheCalls:
         # rejected commit interns nothing.
         arr, digests = tokens_and_digests(tokens, self.tables.lookup_digest)
         interned = (lambda: token_array(tokens, self.tables.intern_digest)) if digests else None
-        self._commit(_COMMIT, slot, arr, len(arr), bool(is_end), interned)
+        self._append_one(_COMMIT, slot, arr, len(arr), bool(is_end), 0, interned)
 
     def append_one(self, slot: int, tokens, room, is_end) -> bool:
         _APPEND.require(self.pool.host_scalars[slot, Q_STATUS], ACTIVE)
@@ -313,7 +326,7 @@ class CacheCalls:
             raise TypeError(f"is_end must be a bool, got {is_end!r}")
         arr, digests = tokens_and_digests(tokens, self.tables.lookup_digest)
         interned = (lambda: token_array(tokens, self.tables.intern_digest)) if digests else None
-        return self._append(_APPEND, slot, arr, len(arr), bool(is_end), room, interned)
+        return self._append_one(_APPEND, slot, arr, len(arr), bool(is_end), room, interned)
 
     def stop_one(self, slot: int):
         status, nb = self._scalars(slot, Q_STATUS, Q_NUM_BLOCKS)
@@ -490,9 +503,9 @@ class CacheCalls:
         end = _flag(is_end, n, "is_end", naming.call)
         flat, offsets, interned = self._tokens(tokens, n, naming.call)
         if n == 1:
-            self._commit(naming, int(slots[0]), flat, int(offsets[1]), bool(_at(end, 0)), interned)
-        else:
-            self._commit(naming, slots, flat, offsets[1:] - offsets[:-1], end, interned, offsets)
+            self._append_one(naming, int(slots[0]), flat, int(offsets[1]), bool(_at(end, 0)), 0, interned)
+        elif n:
+            self._append_many(naming, slots, flat, offsets, end, 0, interned)
 
     def append(self, caches, tokens, room, is_end=False) -> np.ndarray:
         naming = Entries("append_batch()")
@@ -505,11 +518,11 @@ class CacheCalls:
         end = _flag(is_end, n, "is_end", naming.call)
         flat, offsets, interned = self._tokens(tokens, n, naming.call)
         if n == 1:  # a prefill chunk's: the per-cache path
-            return np.array([self._append(naming, int(slots[0]), flat, int(offsets[1]), bool(_at(end, 0)),
+            return np.array([self._append_one(naming, int(slots[0]), flat, int(offsets[1]), bool(_at(end, 0)),
                                           int(_at(room, 0)), interned)])
         if not n:
             return np.zeros(0, dtype=bool)
-        return self._append(naming, slots, flat, offsets[1:] - offsets[:-1], end, room, interned, offsets)
+        return self._append_many(naming, slots, flat, offsets, end, room, interned)
 
     def close(self, caches, evict_first=False) -> None:
         naming = Entries("close_batch()")
@@ -680,71 +693,80 @@ class CacheCalls:
                       _int64s(history, n), pool.max_blocks, out)
         return out
 
-    def _commit(self, naming, slots, flat, count, end, interned, offsets=None):
-        """``commit`` of ``count`` tokens of ``flat`` each (in order; for one
-        cache all of them), ``end`` its ``is_end``; ``interned()``: ``flat``
-        again with its digests interned (None: it holds none); ``offsets``:
-        where each cache's tokens start in ``flat`` (and the last ends), when
-        the caller has them (None: from ``count``). An append of no room."""
-        self._append(naming, slots, flat, count, end, 0, interned, offsets)
-
-    def _append(self, naming, slots, flat, count, end, room, interned, offsets=None):
-        """``append`` of ``count`` tokens of ``flat`` to each cache (in order;
-        for one cache all of them), ``end`` its ``is_end``: the commit, then,
-        unless it ends, a resize to whole blocks past ``room`` more tokens
-        where the capacity is short, the history as the commit leaves it; in
-        one launch. True where the room is there, False where a pool was
-        short for it: the commit stays and the capacity is as it was, as
-        ``commit`` then ``resize`` one by one leave them. ``interned`` and
-        ``offsets`` as ``_commit`` takes them.
-
-        The checks and the room are ``call_room.append_rules``: run on the
-        cache's ints for one cache, compiled over the caches' scalars for many."""
+    def _append_one(self, naming, slot: int, flat, count: int, end: bool, room: int, interned) -> bool:
+        """``append`` of the ``count`` tokens ``flat`` to the cache in
+        ``slot``, ``end`` its ``is_end``: the commit, then, unless it ends, a
+        resize to whole blocks past ``room`` more tokens where the capacity is
+        short, the history as the commit leaves it; in one launch (a commit
+        is an append of room 0). True where the room is there, False where a
+        pool was short for it: the commit stays and the capacity is as it
+        was, as ``commit`` then ``resize`` one by one leave them.
+        ``interned()``: ``flat`` again with its digests interned (None: it
+        holds none). The checks and the room are ``call_room.append_rules``,
+        on the cache's ints."""
         pool = self.pool
-        held = self.launcher.held_detaches
-        if type(slots) is _ARRAY:
-            n = len(slots)
-            plan = np.empty((n, PLAN_WIDTH), dtype=np.int64)
-            plan_appends(pool.host_scalars, pool.attached_at, slots, count, _int64s(end, n), _int64s(room, n), held,
-                         self.T, self.L, self._min_snapshot, pool.hold_table, pool.max_blocks, pool.scratch_width, plan)
-            error, run, done, resizing, blocks, grows, rows, announced, span, allocated, room, n0 = plan.T
-            done = done != 0
-        else:
-            q = pool.host_scalars[slots].tolist()
-            error, run, done, resizing, blocks, grows, rows, announced, span, allocated, room, n0 = append_rules(
-                q[Q_COMMITTED], q[Q_COMMIT_STATE], q[Q_CAPACITY], q[Q_HISTORY], q[Q_COMMITTED_BLOCKS], q[Q_NUM_BLOCKS],
-                int(pool.attached_at[slots]), count, end, room, held, self.T, self.L, self._min_snapshot,
-                pool.hold_rules, pool.max_blocks, pool.scratch_width)
-        if _any(error):
-            self._refuse_commit(naming, slots, error, count)
+        q = pool.host_scalars[slot].tolist()
+        error, run, done, resizing, blocks, grows, rows, announced, span, allocated, room, n0 = append_rules(
+            q[Q_COMMITTED], q[Q_COMMIT_STATE], q[Q_CAPACITY], q[Q_HISTORY], q[Q_COMMITTED_BLOCKS], q[Q_NUM_BLOCKS],
+            int(pool.attached_at[slot]), count, end, room, self.launcher.held_detaches, self.T, self.L,
+            self._min_snapshot, pool.hold_rules, pool.max_blocks, pool.scratch_width)
+        if error:
+            self._refuse_commit(naming, slot, error, count)
+        if not run:
+            return done
         if interned is not None:
             flat = interned()
-        picked, go = _select(run, [slots, n0, count, end, room, blocks, resizing, grows, rows, announced, span, allocated])
-        if picked is None:
-            return done
-        if type(count) is _ARRAY and offsets is None:
-            offsets = _offsets(count)
-        if go is not None:
-            flat = flat[ranges(offsets[go], count[go])]
-        slots, n0, count, end, room, blocks, resizing, grows, rows, announced, span, allocated = picked
-        if go is not None:
-            offsets = _offsets(count)
-        reserved = pool.seg[slots, 1] if type(slots) is _ARRAY else int(pool.seg[slots, 1])  # a copy
+        reserved = int(pool.seg[slot, 1])
         before = self._detaches()
-        blocks = blocks if _any(resizing) else None  # else each holds its blocks already: no segment rows or priorities
-        self._reserve_and_launch(naming, slots, SEQ_APPEND, (n0, count, end, room), segment=blocks, priorities=blocks,
-                                 rows=_total(rows), announced=announced, span=span, allocated=allocated, tokens=flat,
-                                 tokens_off=offsets)
-        self._seen_attached(slots, grows, before)
-        ok = pool.host_scalars[slots, Q_RESULT] != 0
-        if not _all(ok):  # a refused room keeps no segment rows it reserved
-            pool.trim(slots[~ok] if type(slots) is _ARRAY else slots, reserved[~ok] if type(slots) is _ARRAY else reserved)
-        if type(done) is not _ARRAY:
-            return bool(done and ok)
+        blocks = blocks if resizing else None  # else it holds its blocks already: no segment rows or priorities
+        self._reserve_and_launch(naming, slot, SEQ_APPEND, (n0, count, end, room), segment=blocks, priorities=blocks,
+                                 rows=rows, announced=announced, span=span, allocated=allocated, tokens=flat)
+        ok = pool.host_scalars[slot, Q_RESULT] != 0
+        if grows and self._seen_whole(before) >= 0:
+            pool.attached_at[slot] = before
+        if not ok:  # a refused room keeps no segment rows it reserved
+            pool.trim(slot, reserved)
+        return bool(done and ok)
+
+    def _append_many(self, naming, slots, flat, offsets, end, room, interned) -> np.ndarray:
+        """``_append_one`` for each cache of ``slots`` (in order), its tokens
+        ``flat[offsets[i]:offsets[i + 1]]``, ``end`` and ``room`` one for all
+        or one per cache: the rules compiled over the caches' scalars, which
+        also write the launch's work list and add up its room
+        (``call_room.plan_appends``)."""
+        pool = self.pool
+        n = len(slots)
+        plan = np.empty((n, PLAN_WIDTH), dtype=np.int64)
+        work = np.zeros((n + 1, BATCH_WIDTH), dtype=np.int64)
+        totals = np.empty(TOTALS_WIDTH, dtype=np.int64)
+        plan_appends(pool.host_scalars, pool.attached_at, pool.seg, pool.priorities_known, slots, offsets,
+                     _int64s(end, n), _int64s(room, n), self.launcher.held_detaches, self.T, self.L, self._min_snapshot,
+                     pool.hold_table, pool.max_blocks, pool.scratch_width, plan, work, totals)
+        calls, rows, blocks, announced, errors, resizing, short, unknown = totals.tolist()
+        if errors:
+            self._refuse_commit(naming, slots, plan[:, PLAN_ERROR], offsets[1:] - offsets[:-1])
+        if not calls:
+            return plan[:, PLAN_DONE] != 0
+        if interned is not None:
+            flat = interned()
+        go = None if calls == n else np.flatnonzero(plan[:, PLAN_RUN])
+        s, p, work = (slots, plan, work) if go is None else (slots[go], plan[go], work[:calls + 1])
+        reserved = pool.seg[s, 1] if resizing else None  # a copy
+        grow = p[:, PLAN_BLOCKS]
+        before = self._detaches()
+        self._reserve_and_launch(naming, s, SEQ_APPEND, tuple(work[:-1, BATCH_ARGS:BATCH_ARGS + 4].T),
+                                 segment=grow if short else None, priorities=grow if unknown else None, rows=rows,
+                                 announced=p[:, PLAN_ANNOUNCED], span=p[:, PLAN_SPAN], allocated=p[:, PLAN_ALLOCATED],
+                                 tokens=flat, tokens_off=work[:, BATCH_TOKENS], work=work, totals=(blocks, announced))
+        done = np.empty(calls, dtype=bool)
+        if appended(pool.host_scalars, s, p, pool.attached_at, self._seen_whole(before), done):
+            ok = pool.host_scalars[s, Q_RESULT] != 0  # a refused room keeps no segment rows it reserved
+            pool.trim(s[~ok], reserved[~ok])
         if go is None:
-            return done & ok
-        done[go] &= ok
-        return done
+            return done
+        out = plan[:, PLAN_DONE] != 0
+        out[go] = done
+        return out
 
     def _refuse_commit(self, naming, slots, error, count):
         """Raise for the first rule ``error`` (``append_rules``' codes, one
@@ -764,17 +786,15 @@ class CacheCalls:
         launch (None: not known, an earlier launch's aftermath is unfinished)."""
         return None if self.launcher.pending else self.launcher.held_detaches
 
-    def _seen_attached(self, slots, grows, before) -> None:
-        """After a commit's launch: the chains of the caches whose commit added
-        to the tree (``grows``) are whole in it, as the commit re-attached
-        them, unless a block some cache refers to was detached in the launch
-        (``before``: the count before it), perhaps after that cache's commit."""
+    def _seen_whole(self, before) -> int:
+        """After a commit's launch: the count at which the chains of the
+        caches whose commit added to the tree are whole in it, as the commit
+        re-attached them (``CachePool.attached_at``); -1 where a block some
+        cache refers to was detached in the launch (``before``: the count
+        before it), perhaps after that cache's commit, or it is not known."""
         if before is None or self.launcher.pending or self.launcher.held_detaches != before:
-            return
-        if type(slots) is _ARRAY:
-            self.pool.attached_at[slots[grows != 0]] = before
-        elif grows:
-            self.pool.attached_at[slots] = before
+            return -1
+        return before
 
     def _close(self, slots, evict_first, caches):
         """``close(evict_first)`` of caches not closed yet (``caches``: the
@@ -785,7 +805,8 @@ class CacheCalls:
 
     # -- the launch ---------------------------------------------------------------------------
     def _reserve_and_launch(self, naming, slots, op, args=(), *, segment=None, priorities=None, rows=0, announced=0,
-                            span=0, allocated=0, tokens=None, tokens_off=None, path=None, path_off=None, closing=None):
+                            span=0, allocated=0, tokens=None, tokens_off=None, path=None, path_off=None, closing=None,
+                            work=None, totals=None):
         """One launch of ``op`` (or ``op[i]``) on ``slots`` with kernel
         arguments ``args``, after making room for it, the one place that does:
 
@@ -801,7 +822,10 @@ class CacheCalls:
         of each, and sizing the log for every segment made it grow with the
         batch's total length). ``tokens`` / ``path``: the kernel's input
         (``CachePool.launch_calls``); ``closing``: the caches that close, leaving
-        the open set.
+        the open set. ``work``: the launch's work list when the caller made it
+        (``call_room.plan_appends``), and ``totals``: ``(blocks, announced)``
+        added up over the caches, when it did (the change log's blocks as
+        ``call_room.log_blocks`` counts them).
 
         A batch whose change log would not fit the budget
         (``table_sizes.CHANGE_LOG_BUDGET``) runs as consecutive launches over
@@ -818,15 +842,21 @@ class CacheCalls:
         tables = self.tables
         if rows:
             tables.ensure_free_blocks(rows)
-        blocks = span + (pool.scratch_width + 8) + allocated  # per cache
+        blocks = None  # per cache, when needed
         n = _count(slots)
-        total = _total(blocks) if type(blocks) is _ARRAY else blocks * n
-        total_announced = _total(announced) if type(announced) is _ARRAY else announced * n
+        if totals is None:
+            blocks = log_blocks(span, pool.scratch_width, allocated)
+            total = _total(blocks) if type(blocks) is _ARRAY else blocks * n
+            total_announced = _total(announced) if type(announced) is _ARRAY else announced * n
+        else:
+            total, total_announced = totals
         if n > 1:
             log_rows, token_rows = tables.log_budget
             copy_rows = tables.copy_room  # None: the list holds any launch's copies
             if (total_announced > token_rows or log_rows_for(total, total_announced, self.L) > log_rows
                     or (copy_rows is not None and copy_rows_for(total, self.L) > copy_rows)):
+                if blocks is None:
+                    blocks = log_blocks(span, pool.scratch_width, allocated)
                 blocks, announced = np.broadcast_to(blocks, slots.shape), np.broadcast_to(announced, slots.shape)
                 ends = self._split_points(blocks, announced, log_rows, token_rows, copy_rows)
                 for i, j in zip(ends[:-1].tolist(), ends[1:].tolist()):
@@ -840,7 +870,7 @@ class CacheCalls:
                                       _total(part(announced)), t_part, t_off, p_part, p_off,
                                       None if closing is None else closing[i:j])
                 return
-        self._launch_part(slots, op, args, total, total_announced, tokens, tokens_off, path, path_off, closing)
+        self._launch_part(slots, op, args, total, total_announced, tokens, tokens_off, path, path_off, closing, work)
 
     def _split_points(self, blocks, announced, log_rows: int, token_rows: int, copy_rows) -> np.ndarray:
         """Where consecutive launches over the caches start (and the last
@@ -864,9 +894,11 @@ class CacheCalls:
             ends.append(min(n, max(j, i + 1)))
         return np.array(ends)
 
-    def _launch_part(self, slots, op, args, blocks: int, announced: int, tokens, tokens_off, path, path_off, closing):
+    def _launch_part(self, slots, op, args, blocks: int, announced: int, tokens, tokens_off, path, path_off, closing,
+                     work=None):
         """One launch: the change log's room (``blocks`` in all, ``announced``
-        blocks), the kernel arguments, the kernel, the caches' scalars back."""
+        blocks), the kernel arguments (``work``: their work list, made
+        already), the kernel, the caches' scalars back."""
         pool = self.pool
         tables = self.tables
         tables.ensure_log(blocks, announced)
@@ -886,7 +918,7 @@ class CacheCalls:
         # there is nothing to do after the kernel.
         needed = closing is not None or pool.scalars_on_device
         pool.launch_calls(self.launcher, slots, op, args, tokens, tokens_off, path, path_off,
-                          results=results if needed else None)
+                          results=results if needed else None, work=work)
 
     def _ask_priorities(self, naming, slots, blocks) -> list:
         """``[(slot, rows)]``: the callbacks' page priorities for the ordinals

@@ -486,7 +486,7 @@ class CachePool:
         return S[S[:, Q_STATUS] != CLOSED, Q_SCOPE_ID].tolist()
 
     def launch_calls(self, launcher, slots, ops, args=(), tokens=None, tokens_off=None, path=None, path_off=None,
-                     results=None) -> None:
+                     results=None, work=None) -> None:
         """One launch of a sequence kernel (the sizing or the commit kernel,
         as ``ops`` say: never both in one launch): call ``ops[i]`` (or ``ops``
         for all) on slot ``slots[i]``, in order, with its arguments (column
@@ -494,7 +494,11 @@ class CachePool:
         and matched blocks (``tokens[tokens_off[i]:tokens_off[i + 1]]``,
         likewise ``path``; None: none; for one slot, all of ``tokens`` and
         ``path``), all in the work list. ``results`` as ``Launcher.launch``
-        takes it."""
+        takes it. ``work``: the work list of these calls, when the caller
+        made it (``call_room.plan_appends``)."""
+        if work is not None:  # one op for all
+            self._launch_work(launcher, ops >= FIRST_COMMIT_OP, work, tokens, path, results)
+            return
         if not is_batch(slots):
             work = self._work1  # no arrays to build for one cache
             work[0, BATCH_SLOT:BATCH_OP + 1] = slots, ops

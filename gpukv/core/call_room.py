@@ -19,7 +19,21 @@ from __future__ import annotations
 from numba.extending import register_jitable
 
 from .backend import cpu_kernel
-from .layout import Q_CAPACITY, Q_COMMIT_STATE, Q_COMMITTED, Q_COMMITTED_BLOCKS, Q_HISTORY, Q_NUM_BLOCKS, USER_STOP
+from .layout import (
+    BATCH_ARGS,
+    BATCH_OP,
+    BATCH_SLOT,
+    BATCH_TOKENS,
+    Q_CAPACITY,
+    Q_COMMIT_STATE,
+    Q_COMMITTED,
+    Q_COMMITTED_BLOCKS,
+    Q_HISTORY,
+    Q_NUM_BLOCKS,
+    Q_RESULT,
+    SEQ_APPEND,
+    USER_STOP,
+)
 
 # Why a commit is refused (``append_rules``' first value), in the order the
 # rules are checked.
@@ -37,6 +51,15 @@ STOP_ROWS = 2
  PLAN_ALLOCATED, PLAN_ROOM, PLAN_FIRST) = range(12)
 PLAN_WIDTH = 12
 
+# What ``plan_appends`` adds up over the caches (its ``totals``): the calls to
+# launch (the caches with something to do), free block rows, change-log
+# blocks (``log_blocks``) and announced blocks of the launch, the caches
+# refused (an error), those that make room, and of those the ones whose
+# segment is short of rows or whose priorities are not known that far.
+(TOTAL_CALLS, TOTAL_ROWS, TOTAL_LOG_BLOCKS, TOTAL_ANNOUNCED, TOTAL_ERRORS, TOTAL_RESIZING, TOTAL_SHORT_SEGMENTS,
+ TOTAL_UNKNOWN_PRIORITIES) = range(8)
+TOTALS_WIDTH = 8
+
 
 @register_jitable
 def log_tokens_rows_for(blocks, num_life_cycles):
@@ -50,6 +73,17 @@ def log_tokens_rows_for(blocks, num_life_cycles):
 def stop_announced(num_blocks):
     """Announced-token rows of a stop or a close of a cache of ``num_blocks`` blocks."""
     return 2 * num_blocks + 2
+
+
+@register_jitable
+def log_blocks(span, scratch, allocated):
+    """The blocks one cache's call counts for in a launch's change-log room
+    (``Tables.ensure_log``): the ``span`` of its own it may touch, its
+    ``scratch`` width and a few blocks' slack, and the GPU pages it may
+    allocate (each may evict a victim). Not the cache's whole segment: a
+    decode step touches a block or two of each cache, and a log sized for
+    every segment grew with the batch's total length."""
+    return span + scratch + 8 + allocated
 
 
 @register_jitable
@@ -141,15 +175,54 @@ def append_rules(n0, state, cap, h, full, nb, seen, count, end, room, held, T, L
             room if resizing else 0, n0)
 
 
-def _plan_appends(S, attached_at, slots, count, end, room, held, T, L, min_snapshot, hold, max_blocks, scratch, out):
-    for i in range(slots.shape[0]):
+def _plan_appends(S, attached_at, seg, known, slots, offsets, end, room, held, T, L, min_snapshot, hold, max_blocks,
+                  scratch, out, work, totals):
+    n = slots.shape[0]
+    calls = rows = blocks = announced = errors = resizing = short = unknown = 0
+    for i in range(n):
         s = slots[i]
         r = append_rules(S[s, Q_COMMITTED], S[s, Q_COMMIT_STATE], S[s, Q_CAPACITY], S[s, Q_HISTORY],
-                         S[s, Q_COMMITTED_BLOCKS], S[s, Q_NUM_BLOCKS], attached_at[s], count[i], end[i] != 0, room[i],
-                         held, T, L, min_snapshot, hold, max_blocks, scratch)
+                         S[s, Q_COMMITTED_BLOCKS], S[s, Q_NUM_BLOCKS], attached_at[s], offsets[i + 1] - offsets[i],
+                         end[i] != 0, room[i], held, T, L, min_snapshot, hold, max_blocks, scratch)
         (out[i, PLAN_ERROR], out[i, PLAN_RUN], out[i, PLAN_DONE], out[i, PLAN_RESIZING], out[i, PLAN_BLOCKS],
          out[i, PLAN_GROWS], out[i, PLAN_ROWS], out[i, PLAN_ANNOUNCED], out[i, PLAN_SPAN], out[i, PLAN_ALLOCATED],
          out[i, PLAN_ROOM], out[i, PLAN_FIRST]) = r
+        errors += out[i, PLAN_ERROR] != 0
+        if not out[i, PLAN_RUN]:
+            continue
+        # Its call in the work list (``CachePool.launch_calls``). A cache left
+        # out commits no tokens, so the ranges of those kept stay contiguous.
+        work[calls, BATCH_SLOT] = s
+        work[calls, BATCH_OP] = SEQ_APPEND
+        work[calls, BATCH_TOKENS] = offsets[i]
+        work[calls, BATCH_ARGS] = out[i, PLAN_FIRST]
+        work[calls, BATCH_ARGS + 1] = offsets[i + 1] - offsets[i]
+        work[calls, BATCH_ARGS + 2] = end[i] != 0
+        work[calls, BATCH_ARGS + 3] = out[i, PLAN_ROOM]
+        calls += 1
+        rows += out[i, PLAN_ROWS]
+        blocks += log_blocks(out[i, PLAN_SPAN], scratch, out[i, PLAN_ALLOCATED])
+        announced += out[i, PLAN_ANNOUNCED]
+        if out[i, PLAN_RESIZING]:
+            resizing += 1
+            short += out[i, PLAN_BLOCKS] > seg[s, 1]
+            unknown += out[i, PLAN_BLOCKS] > known[s]
+    work[calls, BATCH_TOKENS] = offsets[n]
+    (totals[TOTAL_CALLS], totals[TOTAL_ROWS], totals[TOTAL_LOG_BLOCKS], totals[TOTAL_ANNOUNCED], totals[TOTAL_ERRORS],
+     totals[TOTAL_RESIZING], totals[TOTAL_SHORT_SEGMENTS], totals[TOTAL_UNKNOWN_PRIORITIES]) = (
+        calls, rows, blocks, announced, errors, resizing, short, unknown)
+
+
+def _appended(S, slots, plan, attached_at, seen, done):
+    refused = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        ok = S[s, Q_RESULT] != 0
+        done[i] = plan[i, PLAN_DONE] != 0 and ok
+        refused += plan[i, PLAN_RUN] != 0 and not ok
+        if seen >= 0 and plan[i, PLAN_RUN] and plan[i, PLAN_GROWS]:
+            attached_at[s] = seen
+    return refused
 
 
 def _can_hold_each(hold, T, have, blocks, history, max_blocks, out):
@@ -157,9 +230,18 @@ def _can_hold_each(hold, T, have, blocks, history, max_blocks, out):
         out[i] = can_hold(hold, T, have[i], blocks[i], history[i], max_blocks)
 
 
-# ``append_rules`` for the caches in ``slots`` (a host scalars table ``S``
-# and ``attached_at``; ``count``, ``end``, ``room``: int64, one per cache),
-# one row of ``out`` (int64 ``[n, PLAN_WIDTH]``) each.
+# ``append_rules`` for the caches in ``slots`` (a host scalars table ``S``,
+# ``attached_at``, the segments ``seg`` and the priorities ``known`` of the
+# pool; ``offsets``: where each cache's tokens start, and the last ends;
+# ``end``, ``room``: int64, one per cache), one row of ``out`` (int64 ``[n,
+# PLAN_WIDTH]``) each; the work list of the caches with something to do in
+# ``work`` (int64 ``[n + 1, BATCH_WIDTH]``, zeros), as
+# ``CachePool.launch_calls`` takes it, and the ``TOTAL_*`` sums in ``totals``.
 plan_appends = cpu_kernel(_plan_appends)
+# After the launch of a ``plan_appends`` plan ``plan``: ``done[i]`` whether
+# cache ``i`` has its room (``PLAN_DONE`` and the kernel's result), the
+# caches whose commit added to the tree seen whole at count ``seen`` (-1:
+# not known); returns how many the kernel refused.
+appended = cpu_kernel(_appended)
 # ``can_hold`` per cache into ``out`` (bool), ``hold`` an int64 ``[k, 3]`` table.
 can_hold_each = cpu_kernel(_can_hold_each)

@@ -1,6 +1,6 @@
 """``core/call_room.py``: a batched call runs the rules compiled over the
-caches' scalars (``plan_appends``, ``can_hold_each``), a per-cache call runs
-the same functions as Python. Both must give the same values for any
+caches' scalars (``plan_appends``, ``appended``, ``can_hold_each``), a
+per-cache call runs the same functions as Python. Both must give the same values for any
 scalars, including the edges (negative histories never occur, but a cache
 may hold fewer blocks than its tokens need after a refusal, an end with no
 tokens, a room of 0, windows and sinks of every size).
@@ -21,20 +21,51 @@ from gpukv.core.call_room import (
     COMMIT_OK,
     COMMIT_PAST_CAPACITY,
     COMMIT_STOPPED,
+    PLAN_ALLOCATED,
+    PLAN_ANNOUNCED,
+    PLAN_BLOCKS,
+    PLAN_DONE,
+    PLAN_ERROR,
+    PLAN_FIRST,
+    PLAN_GROWS,
+    PLAN_RESIZING,
+    PLAN_ROOM,
+    PLAN_ROWS,
+    PLAN_RUN,
+    PLAN_SPAN,
     PLAN_WIDTH,
+    TOTAL_ANNOUNCED,
+    TOTAL_CALLS,
+    TOTAL_ERRORS,
+    TOTAL_LOG_BLOCKS,
+    TOTAL_RESIZING,
+    TOTAL_ROWS,
+    TOTAL_SHORT_SEGMENTS,
+    TOTAL_UNKNOWN_PRIORITIES,
+    TOTALS_WIDTH,
     append_rules,
+    appended,
     can_hold,
     can_hold_each,
+    log_blocks,
     plan_appends,
 )
 from gpukv.core.layout import (
+    BATCH_ARGS,
+    BATCH_OP,
+    BATCH_PATH,
+    BATCH_SLOT,
+    BATCH_TOKENS,
+    BATCH_WIDTH,
     Q_CAPACITY,
     Q_COMMIT_STATE,
     Q_COMMITTED,
     Q_COMMITTED_BLOCKS,
     Q_HISTORY,
     Q_NUM_BLOCKS,
+    Q_RESULT,
     Q_WIDTH,
+    SEQ_APPEND,
     USER_STOP,
 )
 
@@ -51,24 +82,52 @@ caches = st.fixed_dictionaries({
        L=st.integers(1, 3), min_snapshot=st.booleans(), held=st.integers(0, 3), max_blocks=st.integers(1, 90),
        scratch=st.integers(1, 4))
 def test_the_compiled_rules_give_what_the_python_rules_give(cases, hold, T, L, min_snapshot, held, max_blocks, scratch):
+    """Each cache's values, the work list of those with something to do and
+    the launch's totals, against ``append_rules`` run as Python per cache."""
     n = len(cases)
     S = np.zeros((n + 3, Q_WIDTH), dtype=np.int64)
     attached_at = np.full(n + 3, -7, dtype=np.int64)
+    seg = np.zeros((n + 3, 2), dtype=np.int64)
+    known = np.zeros(n + 3, dtype=np.int64)
     slots = np.arange(n, dtype=np.int64)[::-1] + 2  # not in order, not from 0
     for s, c in zip(slots.tolist(), cases):
         S[s, Q_COMMITTED], S[s, Q_COMMIT_STATE], S[s, Q_CAPACITY] = c["n0"], c["state"], c["cap"]
         S[s, Q_HISTORY], S[s, Q_COMMITTED_BLOCKS], S[s, Q_NUM_BLOCKS] = c["h"], c["n0"] // T, c["nb"]
         attached_at[s] = c["seen"]
-    count = np.array([c["count"] for c in cases], dtype=np.int64)
+        seg[s, 1], known[s] = c["nb"] + c["seen"], c["nb"] + 3 - c["seen"]
+    offsets = np.concatenate([[0], np.cumsum([c["count"] for c in cases])]).astype(np.int64)
     end = np.array([c["end"] for c in cases], dtype=np.int64)
     room = np.array([c["room"] for c in cases], dtype=np.int64)
     table = np.array(hold, dtype=np.int64).reshape(-1, 3)
     out = np.full((n, PLAN_WIDTH), -99, dtype=np.int64)
-    plan_appends(S, attached_at, slots, count, end, room, held, T, L, min_snapshot, table, max_blocks, scratch, out)
+    work = np.zeros((n + 1, BATCH_WIDTH), dtype=np.int64)
+    totals = np.full(TOTALS_WIDTH, -99, dtype=np.int64)
+    plan_appends(S, attached_at, seg, known, slots, offsets, end, room, held, T, L, min_snapshot, table, max_blocks,
+                 scratch, out, work, totals)
+    rows = []
+    want_totals = [0] * TOTALS_WIDTH
     for i, (s, c) in enumerate(zip(slots.tolist(), cases)):
-        want = append_rules(c["n0"], c["state"], c["cap"], c["h"], c["n0"] // T, c["nb"], c["seen"], c["count"],
-                            c["end"], c["room"], held, T, L, min_snapshot, tuple(hold), max_blocks, scratch)
-        assert out[i].tolist() == [int(v) for v in want], (i, c)
+        want = [int(v) for v in append_rules(c["n0"], c["state"], c["cap"], c["h"], c["n0"] // T, c["nb"], c["seen"],
+                                             c["count"], c["end"], c["room"], held, T, L, min_snapshot, tuple(hold),
+                                             max_blocks, scratch)]
+        assert out[i].tolist() == want, (i, c)
+        want_totals[TOTAL_ERRORS] += want[PLAN_ERROR] != 0
+        if want[PLAN_RUN]:
+            rows.append([s, SEQ_APPEND, offsets[i], 0, want[PLAN_FIRST], c["count"], int(c["end"]), want[PLAN_ROOM]])
+            want_totals[TOTAL_CALLS] += 1
+            want_totals[TOTAL_ROWS] += want[PLAN_ROWS]
+            want_totals[TOTAL_LOG_BLOCKS] += log_blocks(want[PLAN_SPAN], scratch, want[PLAN_ALLOCATED])
+            want_totals[TOTAL_ANNOUNCED] += want[PLAN_ANNOUNCED]
+            if want[PLAN_RESIZING]:
+                want_totals[TOTAL_RESIZING] += 1
+                want_totals[TOTAL_SHORT_SEGMENTS] += want[PLAN_BLOCKS] > seg[s, 1]
+                want_totals[TOTAL_UNKNOWN_PRIORITIES] += want[PLAN_BLOCKS] > known[s]
+    k = len(rows)
+    columns = [BATCH_SLOT, BATCH_OP, BATCH_TOKENS, BATCH_PATH] + [BATCH_ARGS + a for a in range(4)]
+    assert work[:k][:, columns].tolist() == [[int(v) for v in r] for r in rows]
+    assert work[k].tolist() == [offsets[-1] if c == BATCH_TOKENS else 0 for c in range(BATCH_WIDTH)]
+    assert not work[k + 1:].any() and not work[:, BATCH_ARGS + 4:].any()
+    assert totals.tolist() == want_totals
     have = np.array([c["nb"] for c in cases], dtype=np.int64)
     blocks = have + room // max(T, 1)
     history = np.array([c["h"] for c in cases], dtype=np.int64)
@@ -76,6 +135,32 @@ def test_the_compiled_rules_give_what_the_python_rules_give(cases, hold, T, L, m
     can_hold_each(table, T, have, blocks, history, max_blocks, each)
     assert each.tolist() == [can_hold(tuple(hold), T, *v, max_blocks) for v in zip(have.tolist(), blocks.tolist(),
                                                                                    history.tolist())]
+
+
+@settings(max_examples=30, deadline=None)
+@given(plan_rows=st.lists(st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()), min_size=1,
+                          max_size=10), seen=st.integers(-1, 5))
+def test_after_the_launch_each_cache_is_done_where_its_room_is_there(plan_rows, seen):
+    """``appended``: done where the plan had the room and the kernel gave it;
+    the chains of the commits that grew the tree seen whole at ``seen``
+    (none when -1); the count of the caches the kernel refused."""
+    n = len(plan_rows)
+    slots = np.arange(n, dtype=np.int64) * 2 + 1
+    S = np.zeros((2 * n + 1, Q_WIDTH), dtype=np.int64)
+    plan = np.zeros((n, PLAN_WIDTH), dtype=np.int64)
+    for i, (run, done, grows, ok) in enumerate(plan_rows):
+        plan[i, PLAN_RUN], plan[i, PLAN_DONE], plan[i, PLAN_GROWS] = run, done, grows
+        S[slots[i], Q_RESULT] = ok
+    attached_at = np.full(2 * n + 1, -3, dtype=np.int64)
+    out = np.zeros(n, dtype=bool)
+    refused = appended(S, slots, plan, attached_at, seen, out)
+    assert out.tolist() == [done and ok for run, done, grows, ok in plan_rows]
+    assert refused == sum(run and not ok for run, done, grows, ok in plan_rows)
+    want = np.full(2 * n + 1, -3)
+    for i, (run, done, grows, ok) in enumerate(plan_rows):
+        if seen >= 0 and run and grows:
+            want[slots[i]] = seen
+    assert attached_at.tolist() == want.tolist()
 
 
 def test_the_first_rule_broken_is_the_error():
