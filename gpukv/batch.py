@@ -519,7 +519,7 @@ class CacheCalls:
         flat, offsets, interned = self._tokens(tokens, n, naming.call)
         if n == 1:  # a prefill chunk's: the per-cache path
             return np.array([self._append_one(naming, int(slots[0]), flat, int(offsets[1]), bool(_at(end, 0)),
-                                          int(_at(room, 0)), interned)])
+                                              int(_at(room, 0)), interned)])
         if not n:
             return np.zeros(0, dtype=bool)
         return self._append_many(naming, slots, flat, offsets, end, room, interned)
