@@ -187,8 +187,9 @@ class GpukvKVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         self._check_request(request)
         limit = self._lookup_limit(request, max_cache_hit_length)
-        if self._step.dirty and self._step.affects(request, lambda: self._ahead_hits_held(request, limit)):
-            self._flush()  # the tree as vLLM's cache is now, where it matters to this request
+        issue = self._step.affects(request, lambda: self._ahead_hits_held(request, limit)) if self._step.dirty else None
+        if issue is not None:
+            issue()  # the tree as vLLM's cache is now, where it matters to this request
         if limit <= 0:
             return self.empty_kv_cache_blocks, 0, 0
         found = self._ahead.pop(request.request_id, None)
@@ -345,13 +346,10 @@ class GpukvKVCacheManager:
                 return new + watermark <= free - reserved_blocks
 
             # vLLM's free queue once the queued calls are made (a lower bound
-            # while queued admissions may hold pages already held: then exact
-            # after issuing them).
+            # while queued admissions may hold pages already held: then
+            # counted exactly, without issuing them).
             if not fits(step.obtainable() - step.pending_pages):
-                if not step.pending_hits:
-                    return None
-                self._flush()
-                if not fits(step.obtainable()):
+                if not step.pending_hits or not fits(step.exact_room()[0]):
                     return None
         if new:
             state.num_blocks = have + new
@@ -388,14 +386,14 @@ class GpukvKVCacheManager:
         # First on a bound: every hit page counted as an eviction candidate,
         # here and in the queued admissions. A fit on the bound is a fit.
         evictable = held_blocks
+        candidates = None  # the hit's candidate pages, when counted exactly
         if not fits(evictable, free):
             if not held_blocks and not self._step.pending_hits:
                 return None  # the bound was exact
-            # Undecided: issue the queued calls (decided before this one, so
-            # nothing moves that vLLM would not have moved) and count exactly.
-            self._flush()
-            free = self._step.obtainable()
-            evictable = int(np.count_nonzero(~self._gk.match_pages(hit_blocks.rows)[1])) if held_blocks else 0
+            # Undecided: count exactly, on the tree as it is and what the
+            # queued calls (decided before this one) will hold and take.
+            free, candidates = self._step.exact_room(hit_blocks.rows if held_blocks else None)
+            evictable = len(candidates)
             if not fits(evictable, free):
                 return None
         state = RequestState(
@@ -408,7 +406,9 @@ class GpukvKVCacheManager:
         self._group.req_to_blocks[request.request_id] = state.blocks
         if shared and self.enable_caching:
             self._group.num_cached_block[request.request_id] = shared
-        self._step.allocate(state, new, evictable)
+        if held_blocks:
+            state.hit_rows = np.asarray(hit_blocks.rows, dtype=np.int64)
+        self._step.allocate(state, new, evictable, candidates)
         self._cache(state, min(total_computed + num_new_tokens, request.num_tokens))
         return self._PendingBlocks(self._flush, state, shared, shared + new)
 

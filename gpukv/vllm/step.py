@@ -25,7 +25,9 @@ where the queued calls could change its answer (``affects``): a queued commit
 of a block the request would match, a queued allocation that would have to
 evict (it needs more pages than are free), a queued close (it changes which
 hit pages are held). Otherwise the lookup runs on the tree as it is, and a
-step's admissions go out together.
+step's admissions go out together. Where only an evicting allocation could
+change the answer, only the allocations are issued: the queued commits wait
+for the next flush.
 
 Queued admissions hold hit pages that are eviction candidates now, which
 vLLM's check counts. The queue counts them as an upper bound (every hit page
@@ -50,7 +52,7 @@ class RequestState:
 
     __slots__ = (
         "request", "kv", "blocks", "ids", "num_blocks", "hit", "committed", "target",
-        "admit_tokens", "scope", "match", "in_alloc", "in_commit", "freed",
+        "admit_tokens", "scope", "match", "hit_rows", "in_alloc", "in_commit", "freed",
     )
 
     def __init__(self, request, scope, hit: int, admit_tokens, num_blocks: int):
@@ -65,6 +67,7 @@ class RequestState:
         self.admit_tokens = admit_tokens  # the hit's tokens until the cache is created, then None
         self.scope = scope
         self.match = None  # (gpukv match, entry) its hit came from, while the cache is not created
+        self.hit_rows = None  # the tree rows of the hit blocks it will hold, while the cache is not created
         self.in_alloc = False
         self.in_commit = False
         self.freed = False  # vLLM freed it; its close may still be queued
@@ -86,9 +89,11 @@ class StepCalls:
         # What the queued allocations take out of the obtainable count: new
         # pages, and hit pages that are eviction candidates now. The latter is
         # an upper bound (an admission decided on the bound counts all its hit
-        # pages), so decisions made on it are exact when they say "fits".
+        # pages), so decisions made on it are exact when they say "fits"; where
+        # it says no, ``exact_room`` counts exactly.
         self.pending_new = 0
         self.pending_hits = 0
+        self._queued_holds = set()  # the candidate pages queued admissions will hold (None: not read yet)
         num_pages = gk.config.pages_per_life_cycle_list()[0]
         self.copies: list = []  # vLLM KVCacheBlockCopy, for take_kv_cache_block_copies
         self.new_block_ids: list[int] = []  # for take_new_block_ids (KV zeroing)
@@ -127,35 +132,67 @@ class StepCalls:
     def changed(self) -> None:
         """A gpukv call outside the queue changed the pool."""
         self._obtainable = self._free = None
+        self._queued_holds = None
         self.version += 1
 
-    def affects(self, request, hits_held=None) -> bool:
-        """Could the queued calls change what a lookup of ``request`` finds?
-        ``hits_held()``: whether a cache holds every page the lookup would
-        hit (None: not known)."""
+    def exact_room(self, rows=None) -> tuple:
+        """``(obtainable, candidates)``: the obtainable count once the queued
+        allocations are issued, and of the hit blocks in tree ``rows`` (None:
+        none) the pages that are eviction candidates then, exactly, on the
+        tree as it is: nothing is issued. A queued admission takes its hit's
+        candidate pages off the eviction lists (each page once, however many
+        admissions hit it) and a queued allocation takes its new pages."""
+        holds = self._queued_holds
+        if holds is None:
+            rows_held = [s.hit_rows for s in self.alloc if s.hit_rows is not None]
+            holds = set()
+            if rows_held:
+                pages, held = self._gk.match_pages(np.concatenate(rows_held))
+                holds.update(pages[~held & (pages >= 0)].tolist())
+            self._queued_holds = holds
+        obtainable = self.obtainable() - self.pending_new - len(holds)
+        if rows is None or not len(rows):
+            return obtainable, []
+        pages, held = self._gk.match_pages(rows)
+        return obtainable, [p for p in pages[~held & (pages >= 0)].tolist() if p not in holds]
+
+    def affects(self, request, hits_held=None):
+        """What of the queued calls must be issued before a lookup of
+        ``request``, as they could change what it finds: ``flush`` (all),
+        ``issue_allocations`` (only an allocation that evicts could), or None
+        (nothing). ``hits_held()``: whether a cache holds every page the
+        lookup would hit (None: not known)."""
         if self.closes:
-            return True  # a queued close releases pages an allocation may then evict
+            return self.flush  # a queued close releases pages an allocation may then evict
         # Hashes chain: a block hash names its whole prefix, so the request
         # would match a queued block exactly when its hashes hold the first
         # queued block of some commit.
         if not self._first_queued.isdisjoint(request.block_hashes):
-            return True
+            return self.flush
         if self.pending_new and self.pending_new > self.free():
             # A queued allocation evicts, but only pages no cache holds (vLLM:
-            # blocks of reference count 0): a hit on held pages stays.
-            return hits_held is None or not hits_held()
-        return False
+            # blocks of reference count 0): a hit on held pages stays. The
+            # queued commits change nothing this lookup finds (no block it
+            # would match): they wait for the next flush.
+            return None if hits_held is not None and hits_held() else self.issue_allocations
+        return None
 
     # -- queueing -----------------------------------------------------------------
     @property
     def pending_pages(self) -> int:
         return self.pending_new + self.pending_hits
 
-    def allocate(self, state: RequestState, new_pages: int, hit_pages: int = 0) -> None:
+    def allocate(self, state: RequestState, new_pages: int, hit_pages: int = 0, candidates=None) -> None:
         """Queue ``state``'s allocation of ``new_pages`` more pages; an
-        admission also holds ``hit_pages`` eviction candidates (at most)."""
+        admission also holds ``hit_pages`` eviction candidates (at most; its
+        ``candidates`` when they were counted exactly, ``exact_room``)."""
         self.pending_new += new_pages
         self.pending_hits += hit_pages
+        if state.hit_rows is not None and self._queued_holds is not None:
+            if candidates is None:
+                self._queued_holds = None  # read with the others when next needed
+            else:
+                self._queued_holds.update(candidates)
         if not state.in_alloc:
             state.in_alloc = True
             self.alloc.append(state)
@@ -178,6 +215,21 @@ class StepCalls:
         self.closes.append(state)
 
     # -- issuing -----------------------------------------------------------------
+    def issue_allocations(self) -> None:
+        """Issue the queued allocations, not the commits and closes (closes
+        are never queued behind undecided allocations, and commits commute
+        with allocations: they wait for the next flush)."""
+        if self.closes:
+            self.flush()
+            return
+        self.version += 1
+        try:
+            if self.alloc:
+                self._issue_allocations()
+        finally:
+            self._obtainable = self._free = None
+            self._queued_holds = set() if not self.alloc else None
+
     def flush(self) -> None:
         """Issue everything queued, in the order it was decided."""
         self.version += 1
@@ -191,6 +243,7 @@ class StepCalls:
                 self._gk.close_batch([s.kv for s in closes])
         finally:
             self._obtainable = self._free = None  # as of the calls just issued: read again when asked
+            self._queued_holds = set() if not self.alloc else None
 
     def _issue_allocations(self) -> None:
         alloc, self.alloc = self.alloc, []
@@ -275,7 +328,7 @@ class StepCalls:
                 ok = gk.resize_batch(kvs, capacities)
         for s, kv in zip(run, kvs):
             s.kv = kv
-            s.admit_tokens = s.match = None
+            s.admit_tokens = s.match = s.hit_rows = None
             if kv.num_committed_tokens != s.hit:
                 raise RuntimeError(
                     f"request {s.request.request_id!r}: its prefix hit of {s.hit} tokens is stale "

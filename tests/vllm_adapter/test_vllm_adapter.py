@@ -264,7 +264,9 @@ def test_refused_allocation_changes_nothing():
 def test_admissions_sharing_a_hit_count_it_once():
     """Two admissions of one step hit the same cached blocks: the first holds
     them (vLLM counts them as taken off the free queue), the second must not
-    count them again; the adapter decides the second on exact counts."""
+    count them again; the adapter decides the second on exact counts, and a
+    third that no longer fits is refused on them, all without issuing the
+    queued admissions (the decisions read the tree as it is)."""
     ref, m = managers(num_blocks=12)  # 11 pages
     prefix = list(range(3, 3 + 4 * T))
     for mgr in (ref, m):
@@ -273,13 +275,17 @@ def test_admissions_sharing_a_hit_count_it_once():
         mgr.free(first)  # 4 cached blocks, eviction candidates; 7 pages free
     # a: 4 hit blocks (eviction candidates) + 4 new = 8 of 11. b: the same 4
     # hits (held by a now) + 3 new = 3 of the 3 left. Counting b's hits again
-    # would refuse it.
+    # would refuse it. c: no hit, 1 new: none left.
     results = []
     for mgr in (ref, m):
         a = make_request("a", prefix + list(range(500, 500 + 4 * T - 1)), 4)
         b = make_request("b", prefix + list(range(900, 900 + 3 * T - 1)), 4)
-        results.append([admit(mgr, r)[1] is not None for r in (a, b)] + [mgr.block_pool.get_num_free_blocks()])
-    assert results[0] == results[1] == [True, True, 0]
+        c = make_request("c", list(range(7000, 7000 + T - 1)), 4)
+        results.append([admit(mgr, r)[1] is not None for r in (a, b, c)])
+        if mgr is m:
+            assert [s.request.request_id for s in m._step.alloc] == ["a", "b"]  # queued, not issued
+        results[-1].append(mgr.block_pool.get_num_free_blocks())
+    assert results[0] == results[1] == [True, True, False, 0]
 
 
 def test_lookups_ahead_match_the_waiting_head_in_one_match_and_stay_exact(monkeypatch):
@@ -318,7 +324,8 @@ def test_lookups_ahead_under_eviction_stay_where_the_hit_is_held(monkeypatch):
     """A queued allocation that evicts can take only pages no cache holds (in
     vLLM, blocks of reference count 0): a lookup whose hit is all held pages
     is answered from the step's first match; one that hits eviction
-    candidates is matched again after the queued calls; both equal stock."""
+    candidates is matched again after the queued allocations are issued (the
+    queued commits wait); both equal stock."""
     ref, m = managers(num_blocks=20)  # 19 pages
     H = list(range(3, 3 + 4 * T))  # held by a running request
     E = list(range(2000, 2000 + 3 * T))  # cached, then freed: eviction candidates
@@ -346,7 +353,10 @@ def test_lookups_ahead_under_eviction_stay_where_the_hit_is_held(monkeypatch):
             if mgr is m:
                 out.append(len(matches))
     # gpukv: [w0's hit, w1's, matches so far, w2's, matches so far]. w1 is
-    # answered from the first match; w2 is matched again, after the queued calls.
+    # answered from the first match; w2 is matched again, after the queued
+    # allocation: only it was issued, w0's commit (no block w2 would match)
+    # waits for the next flush.
+    assert not m._step.alloc and [s.request.request_id for s in m._step.commits] == ["w0"]
     assert got[2::2] == [1, 2]
     del got[2::2]
     assert got == want
