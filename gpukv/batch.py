@@ -181,9 +181,11 @@ def _offsets(counts) -> np.ndarray:
 
 
 def _int64s(value, n: int) -> np.ndarray:
-    """A batched call's int (or bool) for all, or one per cache, as int64 ``[n]``."""
+    """A batched call's int (or bool) for all, or one per cache, as int64
+    ``[n]``, contiguous (the compiled rules take that one type,
+    ``call_room.compile_ahead``)."""
     if type(value) is _ARRAY:
-        return value.astype(np.int64, copy=False)
+        return np.ascontiguousarray(value, dtype=np.int64)
     return np.full(n, value, dtype=np.int64)
 
 
@@ -689,8 +691,8 @@ class CacheCalls:
             return can_hold(pool.hold_rules, self.T, have, blocks, history, pool.max_blocks)
         n = len(blocks)
         out = np.empty(n, dtype=bool)
-        can_hold_each(pool.hold_table, self.T, _int64s(have, n), blocks.astype(np.int64, copy=False),
-                      _int64s(history, n), pool.max_blocks, out)
+        can_hold_each(pool.hold_table, self.T, _int64s(have, n), _int64s(blocks, n), _int64s(history, n),
+                      pool.max_blocks, out)
         return out
 
     def _append_one(self, naming, slot: int, flat, count: int, end: bool, room: int, interned) -> bool:

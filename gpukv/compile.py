@@ -40,8 +40,9 @@ def run_job(config, job: str) -> None:
     """Call the kernels of ``job`` once on a small manager of ``config``."""
     import numpy as np
 
-    from .kernels.match import PARALLEL_MIN_REQUESTS
+    from .core.call_room import compile_ahead
     from .core.layout import BATCH_WIDTH
+    from .kernels.match import PARALLEL_MIN_REQUESTS
     from .manager import KVCacheManager
 
     if job not in JOBS:
@@ -54,6 +55,7 @@ def run_job(config, job: str) -> None:
     if "seq" in names:
         kv = mgr.create_kv_cache()
         assert kv.resume() and kv.resize(T, T)
+        compile_ahead()  # the batched calls' compiled rules (core/call_room.py)
     if "commit" in names:
         # On an empty work list: a real commit needs a cache the sizing
         # kernel resized.

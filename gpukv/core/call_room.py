@@ -16,6 +16,7 @@ the kernels and compiled again whenever either changes
 
 from __future__ import annotations
 
+import numpy as np
 from numba.extending import register_jitable
 
 from .backend import cpu_kernel
@@ -24,6 +25,7 @@ from .layout import (
     BATCH_OP,
     BATCH_SLOT,
     BATCH_TOKENS,
+    BATCH_WIDTH,
     Q_CAPACITY,
     Q_COMMIT_STATE,
     Q_COMMITTED,
@@ -31,6 +33,7 @@ from .layout import (
     Q_HISTORY,
     Q_NUM_BLOCKS,
     Q_RESULT,
+    Q_WIDTH,
     SEQ_APPEND,
     USER_STOP,
 )
@@ -245,3 +248,24 @@ plan_appends = cpu_kernel(_plan_appends)
 appended = cpu_kernel(_appended)
 # ``can_hold`` per cache into ``out`` (bool), ``hold`` an int64 ``[k, 3]`` table.
 can_hold_each = cpu_kernel(_can_hold_each)
+
+
+def compile_ahead() -> None:
+    """Compile (or load) the loops for the argument types the batched calls
+    pass: every array int64 and contiguous, the caches' slots writable (a
+    list of caches) or read-only (a ``CacheBatch``). A first batched call
+    then compiles nothing (``gpukv compile`` runs this)."""
+    n = 2
+    S = np.zeros((n, Q_WIDTH), dtype=np.int64)
+    per_cache = np.zeros(n, dtype=np.int64)
+    hold = np.zeros((1, 3), dtype=np.int64)
+    plan = np.zeros((n, PLAN_WIDTH), dtype=np.int64)
+    done = np.zeros(n, dtype=bool)
+    read_only = np.arange(n, dtype=np.int64)
+    read_only.setflags(write=False)
+    for slots in (np.arange(n, dtype=np.int64), read_only):
+        plan_appends(S, per_cache, np.zeros((n, 2), dtype=np.int64), per_cache, slots, np.zeros(n + 1, dtype=np.int64),
+                     per_cache, per_cache, 0, 1, 1, False, hold, 1, 1, plan, np.zeros((n + 1, BATCH_WIDTH), dtype=np.int64),
+                     np.zeros(TOTALS_WIDTH, dtype=np.int64))
+        appended(S, slots, plan, per_cache.copy(), -1, done)
+    can_hold_each(hold, 1, per_cache, per_cache, per_cache, 1, done)
