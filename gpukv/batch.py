@@ -753,7 +753,7 @@ class CacheCalls:
             flat = interned()
         go = None if calls == n else np.flatnonzero(plan[:, PLAN_RUN])
         s, p, work = (slots, plan, work) if go is None else (slots[go], plan[go], work[:calls + 1])
-        reserved = pool.seg[s, 1] if resizing else None  # a copy
+        reserved = pool.seg[s, 1]  # a copy
         grow = p[:, PLAN_BLOCKS]
         before = self._detaches()
         self._reserve_and_launch(naming, s, SEQ_APPEND, tuple(work[:-1, BATCH_ARGS:BATCH_ARGS + 4].T),

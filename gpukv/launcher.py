@@ -52,8 +52,8 @@ from . import kernel_cache
 from .core.errors import BusyError, TreeError
 from .core.layout import (
     CNT_DETACHES,
-    CNT_HELD_DETACHES,
     CNT_ERROR,
+    CNT_HELD_DETACHES,
     CNT_LOG_LEN,
     CNT_LOG_TOKENS_LEN,
     CNT_NUM_COPIES,

@@ -5,9 +5,11 @@ may commit, whether the room it asks for can ever be given, and how much of
 the tables its launch may touch (block rows, change-log rows, pages). Each
 rule here is a plain function of ints (``numba.extending.register_jitable``):
 a per-cache call runs it as Python, and a batched call runs it compiled, once
-per cache, in one loop over the caches' scalars (``plan_appends``,
-``can_hold_each``), where dozens of NumPy operations over the caches'
-columns used to make up most of a decode step's host time.
+per cache, in one loop over the caches' scalars, where dozens of NumPy
+operations over the caches' columns used to make up most of a decode step's
+host time: ``plan_appends`` (which also writes the launch's work list and
+adds up its room), ``appended`` (the results after the launch) and
+``can_hold_each``.
 
 It lives beside the layout it reads, so the compiled loops are cached with
 the kernels and compiled again whenever either changes
