@@ -339,14 +339,14 @@ TREE_OUT = Layout(
 SEQ_ARGS_WIDTH = 4
 SETUP_ARGS = Layout("setup_args", np.int64, [("num_tokens", 1), ("num_blocks", 1)])  # blocks in SeqTables.path
 RESIZE_ARGS = Layout("resize_args", np.int64, [("capacity", 1), ("history", 1)])
-COMMIT_ARGS = Layout("commit_args", np.int64, [("first", 1), ("count", 1), ("is_end", 1)])
 CLOSE_ARGS = Layout("close_args", np.int64, [("evict_first", 1)])
 # An admission's arguments, for its setup (SEQ_SETUP_MATCHED reads the first
 # two as SETUP_ARGS) and its sizing: a capacity below zero resumes only (the
 # host refused the sizing).
 ADMIT_ARGS = Layout("admit_args", np.int64, [("num_tokens", 1), ("num_blocks", 1), ("capacity", 1)])
-# An append's: a commit's (SEQ_APPEND reads the first three as COMMIT_ARGS),
-# then the room to make for more tokens.
+# An append's (a commit is an append of room 0): the committed length before
+# it, the tokens committed, whether the sequence ends, then the room to make
+# for more tokens.
 APPEND_ARGS = Layout("append_args", np.int64, [("first", 1), ("count", 1), ("is_end", 1), ("room", 1)])
 
 
@@ -373,11 +373,10 @@ SEQ_SUSPEND = 3
 SEQ_RESIZE = 4  # RESIZE_ARGS
 SEQ_SETUP_MATCHED = 5  # SETUP_ARGS: SEQ_SETUP_REUSE with the matched blocks' own tokens
 SEQ_ADMIT = 6  # ADMIT_ARGS: the first resume, then the resize to the capacity
-SEQ_COMMIT = 7  # COMMIT_ARGS
-SEQ_STOP = 8
-SEQ_CLOSE = 9  # CLOSE_ARGS
-SEQ_APPEND = 10  # APPEND_ARGS: the commit, then a resize to room for more tokens when the capacity is short
-FIRST_COMMIT_OP = SEQ_COMMIT  # ops from here on are the commit kernel's
+SEQ_STOP = 7
+SEQ_CLOSE = 8  # CLOSE_ARGS
+SEQ_APPEND = 9  # APPEND_ARGS: the commit, then a resize to room for more tokens when the capacity is short
+FIRST_COMMIT_OP = SEQ_STOP  # ops from here on are the commit kernel's
 
 # The work list of one sequence launch (``work``: int64 [n + 1, BATCH_WIDTH]),
 # the one channel of every per-item input: row i names item i's slot and op,
@@ -554,9 +553,6 @@ SETUP_NUM_BLOCKS = 1
 RESIZE_CAPACITY = 0
 RESIZE_HISTORY = 1
 
-COMMIT_FIRST = 0
-COMMIT_COUNT = 1
-COMMIT_IS_END = 2
 
 CLOSE_EVICT_FIRST = 0
 
@@ -592,12 +588,11 @@ for _layout, _prefix in (
     (COPIES, "COPY"), (LRU_LISTS, "LRU"), (LRU_GROUPS, "LG"), (SEQ_SCALARS, "Q"), (MATCH_RESULT, "RES"),
     (LANE, "LN"), (ADD_ARGS, "ADD"), (INSERT_ARGS, "INSERT"), (ADD_PAGE_ARGS, "ADD_PAGE"), (UNLINK_ARGS, "UNLINK"),
     (PAGE_ARGS, "PAGE_ARG"), (DROP_ARGS, "DROP"), (BLOCK_ARGS, "BLOCK_ARG"), (ANNOUNCE_ARGS, "ANNOUNCE"), (EVICT_ARGS, "EVICT"),
-    (TREE_OUT, "OUT"), (SETUP_ARGS, "SETUP"), (RESIZE_ARGS, "RESIZE"), (COMMIT_ARGS, "COMMIT"), (CLOSE_ARGS, "CLOSE"),
+    (TREE_OUT, "OUT"), (SETUP_ARGS, "SETUP"), (RESIZE_ARGS, "RESIZE"), (CLOSE_ARGS, "CLOSE"),
     (ADMIT_ARGS, "ADMIT"), (APPEND_ARGS, "APPEND"),
 ):
     _check_columns(_layout, _prefix)
 assert ADD_ARGS.width <= TREE_ARGS_WIDTH and INSERT_ARGS.width <= TREE_ARGS_WIDTH
-assert max(a.width for a in (SETUP_ARGS, RESIZE_ARGS, COMMIT_ARGS, CLOSE_ARGS, ADMIT_ARGS, APPEND_ARGS)) <= SEQ_ARGS_WIDTH
-assert (APPEND_FIRST, APPEND_COUNT, APPEND_IS_END) == (COMMIT_FIRST, COMMIT_COUNT, COMMIT_IS_END)
+assert max(a.width for a in (SETUP_ARGS, RESIZE_ARGS, CLOSE_ARGS, ADMIT_ARGS, APPEND_ARGS)) <= SEQ_ARGS_WIDTH
 assert INSERT_ROOT_DIGEST == ADD_ROOT_DIGEST
 assert (ADMIT_NUM_TOKENS, ADMIT_NUM_BLOCKS) == (SETUP_NUM_TOKENS, SETUP_NUM_BLOCKS)

@@ -34,9 +34,6 @@ from ..core.layout import (
     BATCH_SLOT,
     BATCH_TOKENS,
     CLOSE_EVICT_FIRST,
-    COMMIT_COUNT,
-    COMMIT_FIRST,
-    COMMIT_IS_END,
     Q_CAPACITY,
     Q_HISTORY,
     Q_RESULT,
@@ -46,7 +43,6 @@ from ..core.layout import (
     SEQ_APPEND,
     SEQ_ARGS_WIDTH,
     SEQ_CLOSE,
-    SEQ_COMMIT,
     SEQ_RESIZE,
     SEQ_RESUME,
     SEQ_SETUP_MATCHED,
@@ -104,9 +100,7 @@ def size_step(S, Q, op):
 def commit_step(S, Q, op):
     out = Q.out
     Q.scalars[Q_RESULT] = 1
-    if op == SEQ_COMMIT:
-        commit(S, Q, Q.args[COMMIT_FIRST], Q.args[COMMIT_COUNT], Q.args[COMMIT_IS_END] == 1, out)
-    elif op == SEQ_STOP:
+    if op == SEQ_STOP:
         stop_committing(S, Q, out)
     elif op == SEQ_CLOSE:
         close(S, Q, Q.args[CLOSE_EVICT_FIRST], out)
@@ -171,7 +165,7 @@ def item_tables(S, P, work, i, tokens, path):
     """Item ``i`` of the work list: its slot's SeqTables (views of the slot's
     rows of the pool, the arrays the single-cache code was written for), with
     its input copied in: tokens ``tokens[work[i, BATCH_TOKENS]:work[i + 1,
-    BATCH_TOKENS]]`` (a commit's or an append's at its first position, reuse setup's from
+    BATCH_TOKENS]]`` (an append's at its first position, reuse setup's from
     0) and matched blocks from ``path`` likewise."""
     begin_launch(S)  # each item judges the host tier's room afresh, as its own launch would
     T = S.tokens.shape[1]
@@ -179,7 +173,7 @@ def item_tables(S, P, work, i, tokens, path):
     a = P.seg[s, 0]
     Q = slot_tables(P, s, a, a + P.seg[s, 1], T, work[i, BATCH_ARGS:BATCH_ARGS + SEQ_ARGS_WIDTH])
     op = work[i, BATCH_OP]
-    at = Q.args[COMMIT_FIRST] if op == SEQ_COMMIT or op == SEQ_APPEND else 0
+    at = Q.args[APPEND_FIRST] if op == SEQ_APPEND else 0
     t0 = work[i, BATCH_TOKENS]
     for j in range(work[i + 1, BATCH_TOKENS] - t0):
         Q.tokens[at + j] = tokens[t0 + j]
