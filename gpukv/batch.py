@@ -514,8 +514,9 @@ class CacheCalls:
         slots = inputs.cache_slots(caches, self.pool, naming.call)
         n = len(slots)
         naming.require(self.pool.host_scalars[slots, Q_STATUS], ACTIVE)
-        # One value for all stays an int or a bool: no array to build, and
-        # every step below takes either.
+        # One value for all stays an int or a bool: one cache's path takes
+        # it as it is, and many caches' plan makes its one int64 column of
+        # it (``_int64s``).
         room = inputs.ints_or_one(room, n, "room", naming.call)
         end = _flag(is_end, n, "is_end", naming.call)
         flat, offsets, interned = self._tokens(tokens, n, naming.call)

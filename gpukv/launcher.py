@@ -241,8 +241,7 @@ class Launcher:
         # launch: a match's block rows still hold what it found while this
         # stays the same (blocks and pages added since only lengthen a match).
         self.removals = 0
-        self.detaches = 0  # the tree's detach count (CNT_DETACHES) after the last launch
-        self.held_detaches = 0  # ... of blocks a cache refers to (CNT_HELD_DETACHES)
+        self.held_detaches = 0  # detached blocks a cache referred to (CNT_HELD_DETACHES), as of the last launch
         self._results = None  # the pending launch's results step
         self._log_fed = np.zeros(1, dtype=np.int64)  # records the event manager consumed
         # The pending launch's records, token rows, freed rows and where its
@@ -281,9 +280,8 @@ class Launcher:
             self._results()
         t = self.tables
         counters = t.counters_host()
-        self.detaches = int(counters[CNT_DETACHES])
         self.held_detaches = int(counters[CNT_HELD_DETACHES])
-        self.removals = self.detaches + int(counters[CNT_UNLINKS])
+        self.removals = int(counters[CNT_DETACHES]) + int(counters[CNT_UNLINKS])
         n = int(counters[CNT_NUM_COPIES])
         if n:
             copies = t.read_copies(n)

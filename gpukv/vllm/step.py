@@ -145,16 +145,18 @@ class StepCalls:
         holds = self._queued_holds
         if holds is None:
             rows_held = [s.hit_rows for s in self.alloc if s.hit_rows is not None]
-            holds = set()
-            if rows_held:
-                pages, held = self._gk.match_pages(np.concatenate(rows_held))
-                holds.update(pages[~held & (pages >= 0)].tolist())
+            holds = set(self._candidate_pages(np.concatenate(rows_held))) if rows_held else set()
             self._queued_holds = holds
         obtainable = self.obtainable() - self.pending_new - len(holds)
         if rows is None or not len(rows):
             return obtainable, []
+        return obtainable, [p for p in self._candidate_pages(rows) if p not in holds]
+
+    def _candidate_pages(self, rows) -> list:
+        """The GPU pages of tree blocks ``rows`` that are eviction candidates
+        now (no cache holds them)."""
         pages, held = self._gk.match_pages(rows)
-        return obtainable, [p for p in pages[~held & (pages >= 0)].tolist() if p not in holds]
+        return pages[~held & (pages >= 0)].tolist()
 
     def affects(self, request, hits_held=None):
         """What of the queued calls must be issued before a lookup of
@@ -216,29 +218,23 @@ class StepCalls:
 
     # -- issuing -----------------------------------------------------------------
     def issue_allocations(self) -> None:
-        """Issue the queued allocations, not the commits and closes (closes
-        are never queued behind undecided allocations, and commits commute
-        with allocations: they wait for the next flush)."""
-        if self.closes:
-            self.flush()
-            return
-        self.version += 1
-        try:
-            if self.alloc:
-                self._issue_allocations()
-        finally:
-            self._obtainable = self._free = None
-            self._queued_holds = set() if not self.alloc else None
+        """Issue the queued allocations; the commits commute with them and
+        wait for the next flush. A queued close goes out with everything
+        (it changes which pages the allocations may evict)."""
+        self._issue(everything=bool(self.closes))
 
     def flush(self) -> None:
         """Issue everything queued, in the order it was decided."""
+        self._issue(everything=True)
+
+    def _issue(self, everything: bool) -> None:
         self.version += 1
         try:
             if self.alloc:
                 self._issue_allocations()
-            if self.commits:
+            if everything and self.commits:
                 self._issue_commits()
-            if self.closes:
+            if everything and self.closes:
                 closes, self.closes = self.closes, []
                 self._gk.close_batch([s.kv for s in closes])
         finally:
