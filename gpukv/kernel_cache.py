@@ -27,7 +27,7 @@ import time
 log = logging.getLogger("gpukv")
 
 # The kernels a manager calls, in the order a workload first needs them.
-KERNEL_NAMES = ("tree", "seq", "commit", "hash", "match", "compact")
+KERNEL_NAMES = ("tree", "seq", "commit", "hash", "match", "compact", "victims")
 
 
 def kernels(target: str) -> dict:
@@ -36,6 +36,7 @@ def kernels(target: str) -> dict:
     from .kernels.match import build_match_kernels
     from .kernels.seq import build_seq_kernels
     from .kernels.tree import build_tree_kernel
+    from .kernels.victims import build_victims_kernel
 
     m = build_match_kernels(target)
     seq = build_seq_kernels(target)
@@ -46,6 +47,7 @@ def kernels(target: str) -> dict:
         "hash": m.hash_blocks,
         "match": m.match,
         "compact": m.compact,
+        "victims": build_victims_kernel(target),
     }
 
 

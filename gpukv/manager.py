@@ -20,6 +20,7 @@ from .core.config import CacheConfig
 from .core.errors import LogicError
 from .core.kinds import has_window
 from .core.layout import CNT_DROPPED, CNT_EVICTED, CNT_MIGRATED
+from .kernels.victims import build_victims_kernel
 from .launcher import Launcher, first_load, serialized
 from .matching import BatchMatch, Matcher
 from .core.scope import as_scope
@@ -95,6 +96,7 @@ class KVCacheManager:
         self._calls = CacheCalls(self._cache_context, lambda: self._stats)
         self._eviction_seen = np.zeros(3, dtype=np.int64)
         self._obtainable: dict = {}  # (life cycle, level) -> (launches, Tables.obtainable_pages()) as last read
+        self._victims = build_victims_kernel(self._backend.target)
         kernel_cache.announce(self._backend.target)  # once per process: kernels a first call would compile
 
     # -- facts ------------------------------------------------------------------------
@@ -363,6 +365,27 @@ class KVCacheManager:
         adds those). An allocation that fits in them evicts nothing."""
         self._check_pool(life_cycle_id, level)
         return page_reads.free_pages(self._tables, life_cycle_id, level)
+
+    @serialized("mgr.eviction_order()")
+    def eviction_order(self, count: int, life_cycle_id: int = 0, level: int = 0) -> np.ndarray:
+        """The storage slots (int32; on the GPU, ``KVCache.page_indices``'
+        page indices) of the next ``count`` pages eviction would drop from the
+        life cycle's pool at a cache level, in the order it drops them, while
+        no call changes the pool; fewer when fewer are candidates. These are
+        the cached pages no cache holds, lowest priority first, oldest first.
+        Pages eviction moves to the host tier instead (those of suspended
+        caches, while the host has room) are not among them: without a host
+        tier, an allocation that evicts ``k`` pages takes exactly the first
+        ``k``, and with them any cached descendants their blocks leave
+        unreachable (a priority callback can make an ancestor go first).
+        An engine that queues allocations asks it whether a prefix it found
+        survives them. Costs ``count`` steps of a list walk, one read."""
+        self._check_pool(life_cycle_id, level)
+        if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        if count == 0:
+            return np.zeros(0, dtype=np.int32)
+        return page_reads.eviction_order(self._launcher, self._victims, life_cycle_id, level, int(count))
 
     @serialized("mgr.page_indices_batch()")
     def page_indices_batch(self, caches, life_cycle_id: int = 0, first_blocks=None) -> tuple:

@@ -11,7 +11,9 @@ to the host, whatever the batch:
   holds them, so an admission can count the hit pages it would take off the
   eviction lists before it holds anything (vLLM's fit rule);
 - ``free_pages``: the free storage slots of a pool (never used or released,
-  not merely evictable): an allocation that fits in them evicts nothing.
+  not merely evictable): an allocation that fits in them evicts nothing;
+- ``eviction_order``: the pages eviction would drop next, so a scheduler
+  that queues its allocations knows whether a prefix it found survives them.
 
 A page index is the page's position in its life cycle's GPU pool, -1 where
 there is none or the page is on the host tier, as ``KVCache.page_indices``.
@@ -89,3 +91,15 @@ def free_pages(tables, life_cycle_id: int, level: int) -> int:
     """The pool's free storage slots: the free stack's height."""
     i = life_cycle_id * NUM_LEVELS + level  # one entry per (life cycle, level), life cycle major
     return int(tables.backend.to_host(tables.pool_top[i:i + 1])[0])
+
+
+def eviction_order(launcher, kernel, life_cycle_id: int, level: int, count: int) -> np.ndarray:
+    """The storage slots (int32) of the first ``count`` unheld eviction
+    candidates of the pool, in eviction order (fewer when it has fewer):
+    one serial read on the device (``kernels/victims.py``), one copy back."""
+    tables = launcher.tables
+    b = tables.backend
+    out = b.to_device(np.zeros(count + 1, dtype=np.int64))
+    launcher.read(kernel, tables.device, life_cycle_id * NUM_LEVELS + level, count, out)
+    out = b.to_host(out)
+    return out[1:1 + int(out[0])].astype(np.int32)

@@ -35,7 +35,7 @@ from ..core.backend import bind_globals, device_jit
 MODULES = (
     "keys", "sha256", "prefetch", "lifecycle", "index", "dlist", "lru", "pages", "log", "blocks", "evict", "tree",
     "seq_hold", "seq_resume", "seq_resize", "seq_commit", "seq_close", "seq",
-    "reuse", "walk", "match",
+    "reuse", "walk", "match", "victims",
 )
 
 _HELPERS: dict = {}  # plain function -> how it is compiled ({"inline": bool, target: implementation factory})

@@ -60,12 +60,12 @@ def test_a_kernel_compiled_on_first_use_is_announced_and_then_cached(tmp_path):
     first = run_cold(code, tmp_path)
     assert first.returncode == 0, first.stderr
     announced = {name for name in kernel_cache.KERNEL_NAMES if f"compiling the {name} kernel" in first.stderr}
-    assert announced == {"hash", "match", "compact"}, first.stderr
+    assert announced == {"hash", "match", "compact", "victims"}, first.stderr
     assert first.stdout.strip().endswith("missing: ['tree', 'seq', 'commit']"), first.stdout
     second = run_cold(code, tmp_path)  # a later process loads them
     assert second.returncode == 0, second.stderr
     assert "compiling the" not in second.stderr
-    assert "3 of 6 kernels" in second.stderr
+    assert "3 of 7 kernels" in second.stderr
 
 
 def test_gpukv_compile_leaves_every_kernel_in_the_cache(capsys):
@@ -91,11 +91,11 @@ def test_gpukv_compile_from_cold_builds_all_kernels_in_parallel(tmp_path):
     got = subprocess.run([sys.executable, "-m", "gpukv.cli", "compile", "--backend", "cpu", "--model", "attention"],
                          env=env, capture_output=True, text=True, timeout=1800)
     assert got.returncode == 0, got.stderr
-    assert "compiling 6 of 6 kernels" in got.stderr
-    assert "6 kernels in the kernel cache (6 compiled now" in got.stdout
+    assert "compiling 7 of 7 kernels" in got.stderr
+    assert "7 kernels in the kernel cache (7 compiled now" in got.stdout
     again = subprocess.run([sys.executable, "-m", "gpukv.cli", "compile", "--backend", "cpu"], env=env,
                            capture_output=True, text=True, timeout=600)
-    assert "(0 compiled now, 6 already there)" in again.stdout, again.stdout + again.stderr
+    assert "(0 compiled now, 7 already there)" in again.stdout, again.stdout + again.stderr
 
 
 def _compile_workers(cache_dir) -> list[int]:

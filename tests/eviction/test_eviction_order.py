@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from gpukv import Attention, introspect
@@ -167,6 +168,7 @@ def test_victims_follow_priority_then_recency_with_pushes_and_touches(seed):
     want = sorted(ticks, key=lambda i: ticks[i])
     pages = {i: introspect.reuse_match_pages(mgr, seq(i, T), 0)[1][0][0] for i in range(n)}
     assert introspect.eviction_order(mgr, 0) == [pages[i] for i in want]
+    assert mgr.eviction_order(n).tolist() == pool_indices(mgr, [pages[i] for i in want])
     taker = mgr.create_kv_cache()
     assert taker.resume()
     for k, victim in enumerate(want, start=1):
@@ -175,6 +177,47 @@ def test_victims_follow_priority_then_recency_with_pushes_and_touches(seed):
         assert gone == sorted(want[:k]), f"victim {k} should be turn {victim} {ticks[victim]}"
         introspect.check_sanity(mgr)
     taker.close()
+
+
+def pool_indices(mgr, page_rows) -> list:
+    return [int(introspect.tables(mgr)["pages"][p]["pool_index"]) for p in page_rows]
+
+
+def test_mgr_eviction_order_names_the_pages_allocations_then_evict_in_turn(backend):
+    """``mgr.eviction_order(k)`` (a read on the device) is the first ``k`` of
+    the unheld candidates as the page table's lists order them, and an
+    allocation that must evict ``k`` pages takes exactly those: blocks of
+    other turns stay, held pages are never listed."""
+    mgr = make_manager(backend, tokens_per_block=T, layers=[Attention()], pages_per_life_cycle=10)
+    for i in range(3):  # 3 turns of 2 blocks, the middle one at a lower priority
+        finished(mgr, seq(i), priority_callback=lambda o, lc, i=i: 10 if i == 1 else 35)
+    held = mgr.create_kv_cache(seq(2)[:T])  # holds turn 2's first block: not a candidate
+    assert held.num_committed_tokens == T
+    everything = pool_indices(mgr, introspect.eviction_order(mgr, 0))
+    assert len(everything) == 5
+    order = mgr.eviction_order(10)
+    assert order.dtype == np.int32 and order.tolist() == everything
+    assert mgr.eviction_order(2).tolist() == everything[:2] and mgr.eviction_order(0).tolist() == []
+    held_page = int(held.page_indices(0)[0])
+    assert held_page not in everything
+    # Turn 1 (lower priority) goes first, its leaf before its first block, then turn 0's.
+    pages = {i: [page for page, _ in introspect.reuse_match_pages(mgr, seq(i), 0)[1]] for i in range(3)}
+    assert everything == pool_indices(mgr, [pages[1][1], pages[1][0], pages[0][1], pages[0][0], pages[2][1]])
+    taker = mgr.create_kv_cache()
+    assert taker.resume() and taker.resize(4 * T)  # the 4 free pages: nothing evicted
+    assert mgr.eviction_order(10).tolist() == everything
+    for k in range(1, 4):
+        assert taker.resize((4 + k) * T)  # one eviction each
+        assert mgr.eviction_order(10).tolist() == everything[k:]
+        assert everything[k - 1] in taker.page_indices(0).tolist()  # the victim's slot is the taker's now
+    assert mgr.probe_reuse(seq(1)) == 0 and mgr.probe_reuse(seq(0)) == T and mgr.probe_reuse(seq(2)) == 2 * T
+    introspect.check_sanity(mgr)
+    with pytest.raises(ValueError, match="count must be an int >= 0"):
+        mgr.eviction_order(-1)
+    with pytest.raises(ValueError, match="count must be an int >= 0"):
+        mgr.eviction_order(True)
+    with pytest.raises(ValueError, match="life_cycle_id must be in 0..0"):
+        mgr.eviction_order(1, life_cycle_id=1)
 
 
 # -- bad input ---------------------------------------------------------------------------------------
