@@ -25,7 +25,9 @@ import numpy as np
 
 from . import inputs
 from .cache_pool import ranges
-from .core.layout import NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_PAGE, slot_row
+from .core.layout import (
+    NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_PAGE, slot_row,
+)
 
 # The page table columns each read gathers (one gather of just those columns).
 _LEVEL_AND_INDEX = np.array([PAGE_LEVEL, PAGE_POOL_INDEX])

@@ -120,6 +120,7 @@ class GpukvKVCacheManager:
         self._waiting = None  # the scheduler's waiting queue (lookup_ahead), or None: one match per lookup
         self._lookahead_depth = 0
         self._ahead: dict = {}  # request id -> a lookup matched ahead (_lookup's tuple)
+        self._entry_reads = (-1, {})  # (step version, request id -> match_pages of its entry's rows)
         # request id -> (gpukv match, entry, hit) of its last lookup: its
         # admission creates the cache from that match when it is still current
         # and the hit is the match's own (admit_batch: no second match).
@@ -187,13 +188,15 @@ class GpukvKVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         self._check_request(request)
         limit = self._lookup_limit(request, max_cache_hit_length)
-        issue = self._step.affects(request, lambda: self._ahead_hits_held(request, limit)) if self._step.dirty else None
+        issue = self._step.affects(request, lambda heads: self._hit_survives(request, limit, heads)) \
+            if self._step.dirty and limit > 0 else None
         if issue is not None:
             issue()  # the tree as vLLM's cache is now, where it matters to this request
         if limit <= 0:
             return self.empty_kv_cache_blocks, 0, 0
-        found = self._ahead.pop(request.request_id, None)
-        if found is None or found[0] is not request or found[1] != limit or found[2] != self._step.version:
+        found = self._current_entry(request, limit)
+        self._ahead.pop(request.request_id, None)
+        if found is None:
             found = self._lookup(request, limit)
         hit, rows, tokens, match, entry = found[3:]
         own = hit
@@ -211,14 +214,43 @@ class GpukvKVCacheManager:
             self._events.reused(request, hit // T)
         return self._HitBlocks(self._hit_pages, rows, hit, tokens[:hit]), hit, 0
 
-    def _ahead_hits_held(self, request, limit: int) -> bool:
-        """Whether the step's lookahead match answers ``request`` at ``limit``
-        with pages that caches hold (no eviction can take them)."""
+    def _current_entry(self, request, limit: int):
+        """The step's match entry of ``request`` at ``limit`` when it is
+        current (no gpukv call issued since it was made), else None."""
         found = self._ahead.get(request.request_id)
         if found is None or found[0] is not request or found[1] != limit or found[2] != self._step.version:
-            return False
-        rows = found[4]
-        return not len(rows) or bool(self._gk.match_pages(rows)[1].all())
+            return None
+        return found
+
+    def _hit_survives(self, request, limit: int, heads: int) -> bool:
+        """Whether a lookup of ``request`` at ``limit`` on the tree as it is
+        (matched now, unless the step's match answers it) hits no page among
+        the first ``heads`` of the eviction order: held pages (never listed)
+        and candidates further down stay whatever the queued allocations
+        evict. The entry stays for the lookup that follows."""
+        found = self._current_entry(request, limit)
+        if found is None:
+            found = self._ahead[request.request_id] = self._lookup(request, limit)
+        if not len(found[4]):
+            return True
+        pages, held = self._entry_pages(request.request_id, found)
+        candidates = pages[~held]
+        return not len(candidates) or not np.isin(candidates, self._step.victims(heads)).any()
+
+    def _entry_pages(self, request_id, found) -> tuple:
+        """``match_pages`` of a current entry's hit rows, read for every
+        current entry of the step at once (the lookups after the first ask
+        for theirs while nothing was issued)."""
+        version = self._step.version
+        if self._entry_reads[0] != version or request_id not in self._entry_reads[1]:
+            current = [(rid, e[4]) for rid, e in self._ahead.items() if e[2] == version and len(e[4])]
+            pages, held = self._gk.match_pages(np.concatenate([rows for _, rows in current]))
+            reads, start = {}, 0
+            for rid, rows in current:
+                reads[rid] = (pages[start:start + len(rows)], held[start:start + len(rows)])
+                start += len(rows)
+            self._entry_reads = (version, reads)
+        return self._entry_reads[1][request_id]
 
     def _lookup_limit(self, request, max_cache_hit_length: int | None) -> int:
         """The most tokens a lookup of ``request`` may hit."""

@@ -104,6 +104,7 @@ class StepCalls:
         self._fresh_pages: list[np.ndarray] = []
         self._obtainable = None
         self._free = None
+        self._victims = None  # (version, eviction order, whether it was cut at its count)
         self.version = 0  # gpukv calls issued: a lookup matched at one version holds while it stays
 
     @property
@@ -158,12 +159,13 @@ class StepCalls:
         pages, held = self._gk.match_pages(rows)
         return pages[~held & (pages >= 0)].tolist()
 
-    def affects(self, request, hits_held=None):
+    def affects(self, request, hit_survives=None):
         """What of the queued calls must be issued before a lookup of
         ``request``, as they could change what it finds: ``flush`` (all),
         ``issue_allocations`` (only an allocation that evicts could), or None
-        (nothing). ``hits_held()``: whether a cache holds every page the
-        lookup would hit (None: not known)."""
+        (nothing). ``hit_survives(heads)``: whether none of the pages the
+        lookup would hit is among the first ``heads`` of the eviction order
+        (``victims``; None: not known)."""
         if self.closes:
             return self.flush  # a queued close releases pages an allocation may then evict
         # Hashes chain: a block hash names its whole prefix, so the request
@@ -172,12 +174,26 @@ class StepCalls:
         if not self._first_queued.isdisjoint(request.block_hashes):
             return self.flush
         if self.pending_new and self.pending_new > self.free():
-            # A queued allocation evicts, but only pages no cache holds (vLLM:
-            # blocks of reference count 0): a hit on held pages stays. The
+            # A queued allocation evicts, taking eviction's list heads one by
+            # one; a queued admission takes its hit's candidates out of the
+            # lists first. So what the queue evicts is among the first
+            # ``evictions + holds`` heads of the order as it is now, and a hit
+            # with no page there stays (held pages are never listed). The
             # queued commits change nothing this lookup finds (no block it
             # would match): they wait for the next flush.
-            return None if hits_held is not None and hits_held() else self.issue_allocations
+            heads = self.pending_new - self.free() + self.pending_hits
+            return None if hit_survives is not None and hit_survives(heads) else self.issue_allocations
         return None
+
+    def victims(self, heads: int) -> np.ndarray:
+        """The first ``heads`` pages of gpukv's eviction order as of the last
+        issued call (read again only for more, or after an issue)."""
+        known = self._victims
+        if known is None or known[0] != self.version or (len(known[1]) < heads and known[2]):
+            # known[2]: the read was cut at its count (the order may go on)
+            order = self._gk.eviction_order(heads)
+            known = self._victims = (self.version, order, len(order) == heads)
+        return known[1][:heads]
 
     # -- queueing -----------------------------------------------------------------
     @property
@@ -247,7 +263,21 @@ class StepCalls:
         self.pending_new = self.pending_hits = 0
         T = self._T
         growths = []  # resized in the admissions' launch
-        if evicts:
+        running = [s for s in alloc if s.kv is not None]
+        admissions = [s for s in alloc if s.kv is None]
+        # The growths go in the admissions' launch (allocate_batch) when those
+        # are admitted from their match. It holds the admissions' hits before
+        # the growths allocate. Without eviction that changes no outcome but
+        # which free page goes to whom. With eviction it changes none either
+        # when every growth was decided first (vLLM's scheduler decides the
+        # running requests before the waiting ones): each admission's lookup
+        # found its hit outside the eviction-order heads that the allocations
+        # decided before it may take (``affects``), so holding it earlier
+        # moves no head they take.
+        decided_first = not evicts or all(s.kv is not None for s in alloc[:len(running)])
+        if running and admissions and decided_first and self._current_match(admissions) is not None:
+            runs, growths = [admissions], running
+        elif evicts:
             # Runs of admissions and of growths, each in decision order: what
             # one allocation evicts depends on what the earlier ones hold.
             runs, start = [], 0
@@ -258,16 +288,7 @@ class StepCalls:
                 runs.append(alloc[start:stop])
                 start = stop
         else:
-            # Nothing is evicted: the order changes no outcome but which free
-            # page goes to whom. The growths first (vLLM's scheduler decides
-            # the running requests before the waiting ones), in the admissions'
-            # launch when they are admitted from their match (allocate_batch).
-            running = [s for s in alloc if s.kv is not None]
-            admissions = [s for s in alloc if s.kv is None]
-            if running and admissions and self._current_match(admissions) is not None:
-                runs, growths = [admissions], running
-            else:
-                runs = [run for run in (running, admissions) if run]
+            runs = [run for run in (running, admissions) if run]
         copies = False
         have = [len(s.ids) for s in alloc]  # blocks each had (their pages never move: read once, at the end)
         for run in runs:

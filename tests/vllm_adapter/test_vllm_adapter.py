@@ -363,6 +363,54 @@ def test_lookups_ahead_under_eviction_stay_where_the_hit_is_held(monkeypatch):
     assert want[1] == 2 * T and want[2] < 3 * T  # w2 lost a block to w0's eviction
 
 
+def test_a_hit_behind_the_evictions_is_answered_from_the_first_match_and_allocated_in_one_launch(monkeypatch):
+    """A lookup that hits eviction candidates while a queued allocation would
+    evict is answered from the step's first match when none of its pages is
+    among the eviction-order heads the queue can take (``mgr.eviction_order``):
+    here the queue evicts 2 pages of the older candidates E1, the hit is on
+    the newer E2. The running request's growth and both admissions then go out
+    in one launch (``allocate_batch``), and every answer and what is evicted
+    equal stock vLLM's."""
+    ref, m = managers(num_blocks=30)  # 29 pages
+    E1 = list(range(2000, 2000 + 4 * T))  # cached first: the first victims
+    E2 = list(range(3000, 3000 + 3 * T))  # cached later
+    h = {}
+    for mgr in (ref, m):
+        h[mgr] = make_request("h", list(range(3, 3 + 4 * T + 1)), 4)
+        admit(mgr, h[mgr])  # running: 5 pages
+        for rid, prompt in (("e1", E1), ("e2", E2)):
+            e = make_request(rid, prompt + [1], 4)
+            admit(mgr, e)
+            mgr.free(e)  # its full blocks cached, evictable
+        admit(mgr, make_request("f", list(range(5000, 5000 + 13 * T + 1)), 4))  # 14 pages, held: 3 left free
+    assert m.gpukv.free_pages() == 3 and ref.block_pool.get_num_free_blocks() == 3 + 7
+    gk = m.gpukv
+    calls = []
+    for name in ("match_batch", "allocate_batch", "admit_batch", "resize_batch"):
+        real = getattr(gk, name)
+        monkeypatch.setattr(gk, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    waiting = {mgr: [make_request("w0", list(range(9000, 9000 + 3 * T + 1)), 4),  # 4 new pages: the queue evicts 2
+                     make_request("w2", E2 + list(range(8000, 8000 + T + 1)), 4)]  # hits E2, 2 new pages
+               for mgr in (ref, m)}
+    m.lookup_ahead(waiting[m], 2)
+    hits = {}
+    for mgr in (ref, m):
+        assert mgr.allocate_slots(h[mgr], T) is not None  # the growth: 1 page, decided first
+        hits[mgr] = []
+        for r in waiting[mgr]:
+            blocks, n, _ = mgr.get_computed_blocks(r)
+            hits[mgr].append(n)
+            assert mgr.allocate_slots(r, r.num_tokens - n, n, blocks) is not None
+    assert hits[m] == hits[ref] == [0, 3 * T]
+    assert calls == ["match_batch"]  # w2 answered from the first match, nothing issued
+    m.get_block_ids("w2")
+    assert calls == ["match_batch", "allocate_batch"]
+    assert m.gpukv.obtainable_pages() == ref.block_pool.get_num_free_blocks() == 0
+    for mgr in (ref, m):  # E1 went (4 evictions in all), E2 is held by w2
+        probes = [make_request(f"p{i}", prompt + [7], 4) for i, prompt in enumerate((E1, E2))]
+        assert [mgr.get_computed_blocks(p)[1] for p in probes] == [0, 3 * T]
+
+
 def test_unsupported_features_are_refused_by_name():
     spec = FullAttentionSpec(block_size=T, num_kv_heads=1, head_size=1, dtype=torch.float32)
     swa = SlidingWindowSpec(block_size=T, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64)
