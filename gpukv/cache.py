@@ -23,7 +23,6 @@ from .core.layout import (
     ACTIVE,
     CLOSED,
     NULL,
-    PAGE_SERIAL,
     Q_CAPACITY,
     Q_COMMIT_STATE,
     Q_COMMITTED,
@@ -279,7 +278,7 @@ class PlannedDrop:
         self._tables = tables
         self._tree = tree
         self._launcher = launcher
-        self._pages = list(zip(pages, tables.page_fields(pages, PAGE_SERIAL).tolist()))
+        self._pages = list(zip(pages, tables.page_serials(pages).tolist()))
         tree.plan_drops(pages)
         self.dropped = False
 

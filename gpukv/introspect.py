@@ -25,18 +25,19 @@ from .core.layout import (
     NUM_HELD,
     NUM_LEVELS,
     NUM_PRIORITIES,
-    BLK_DIGEST,
+    BID_DIGEST,
+    BID_KEY,
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
-    BLK_KEY,
     BLK_NEXT_SIBLING,
     BLK_NUM_CHILDREN,
     BLK_NUM_TOKENS,
     BLK_ORDINAL,
     BLK_PARENT,
     BLK_SCOPE,
+    BLOCK_IDS,
     BLOCKS,
     CNT_DETACHES,
     FLAG_ATTACHED,
@@ -60,12 +61,13 @@ from .core.layout import (
     PAGE_LRU_LIST,
     PAGE_LRU_NEXT,
     PAGE_LRU_PREV,
-    PAGE_LRU_TICK,
     PAGE_POOL_INDEX,
     PAGE_PRIORITY,
     PAGE_LIFE_CYCLE,
-    PAGE_SERIAL,
+    STAMP_LRU_TICK,
+    STAMP_SERIAL,
     PAGE_STATE,
+    PAGE_STAMPS,
     PAGES,
     SLOT_COVERAGE,
     SLOT_PAGE,
@@ -92,10 +94,12 @@ def tables(mgr) -> dict:
     slots = SLOTS.view(h(t.slots))
     return {
         "blocks": blocks,
+        "block_ids": BLOCK_IDS.view(h(t.block_ids)),
         "tokens": np.array(h(t.tokens)),
         "slots": slots,
         "block_slots": slots.reshape(blocks.shape[0], len(mgr.config.life_cycles)),
         "pages": PAGES.view(h(t.pages)),
+        "page_stamps": PAGE_STAMPS.view(h(t.page_stamps)),
         "log": LOG.view(h(t.log)),
         "lru_lists": LRU_LISTS.view(h(t.lru_lists)),
         "lru_groups": LRU_GROUPS.view(h(t.lru_groups)),
@@ -309,6 +313,7 @@ def check_sanity(mgr):
     t = tables(mgr)
     toks, slots, pages = t["tokens"], t["slots"], t["pages"]
     raw = mgr._backend.to_host(mgr._tables.blocks)
+    ids = mgr._backend.to_host(mgr._tables.block_ids)
     T = mgr.config.tokens_per_block
     L = len(mgr.config.life_cycles)
     tree = mgr._tree
@@ -323,7 +328,7 @@ def check_sanity(mgr):
     for b in range(buckets.size):
         r = buckets[b]
         while r != NULL:
-            if raw[r, BLK_KEY] & (buckets.size - 1) != b:
+            if ids[r, BID_KEY] & (buckets.size - 1) != b:
                 fail(2, f"row {r} is chained in bucket {b} but its key belongs elsewhere")
             indexed.add(int(r))
             r = raw[r, BLK_HASH_NEXT]
@@ -348,7 +353,7 @@ def check_sanity(mgr):
             fail(5 if not attached else 2, f"row {r}: attached={attached} but indexed={int(r) in indexed}")
         if flags & FLAG_ROOT:
             scope = _scope_of(tree, raw[r, BLK_SCOPE])
-            if int64x4_to_digest(raw[r, BLK_DIGEST:BLK_DIGEST + 4]) != hashlib.sha256(scope.to_bytes()).digest():
+            if int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]) != hashlib.sha256(scope.to_bytes()).digest():
                 fail(1, f"root row {r} is not keyed by SHA256 of its scope bytes")
             if raw[r, BLK_NUM_CHILDREN] == 0:
                 fail(1, f"root row {r} has no children outside an operation")
@@ -366,9 +371,9 @@ def check_sanity(mgr):
         if not 1 <= n <= T:
             fail(2, f"row {r} holds {n} tokens")
         expect = hashlib.sha256(
-            int64x4_to_digest(raw[p, BLK_DIGEST:BLK_DIGEST + 4]) + _encode(mgr, toks[r, :n])
+            int64x4_to_digest(ids[p, BID_DIGEST:BID_DIGEST + 4]) + _encode(mgr, toks[r, :n])
         ).digest()
-        if int64x4_to_digest(raw[r, BLK_DIGEST:BLK_DIGEST + 4]) != expect:
+        if int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]) != expect:
             fail(2, f"row {r}'s key is not SHA256(parent key || tokens)")
         if n < T and raw[r, BLK_NUM_CHILDREN]:
             fail(3, f"partial row {r} ({n} tokens) has children")
@@ -419,7 +424,7 @@ def check_sanity(mgr):
             fail(7, f"page {pg} points at ({r}, {lc}) but that slot does not hold it")
         if raw_pages[pg, PAGE_COVERAGE] < 1:
             fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
-    _check_monotone_coverage(mgr, slots, raw, in_use, L)
+    _check_monotone_coverage(mgr, slots, raw, ids, in_use, L)
     _check_pools(mgr, raw_pages, fail)
     _check_eviction_lists(mgr, raw_pages, fail)
 
@@ -434,7 +439,8 @@ def _check_eviction_lists(mgr, pages, fail):
     lists, groups, pool_size = h(t.lru_lists), h(t.lru_groups), h(t.pool_size)
     n = pages.shape[0]
     lc, level, state = pages[:, PAGE_LIFE_CYCLE], pages[:, PAGE_LEVEL], pages[:, PAGE_STATE]
-    holders, priority, tick = pages[:, PAGE_HOLDERS], pages[:, PAGE_PRIORITY], pages[:, PAGE_LRU_TICK]
+    holders, priority = pages[:, PAGE_HOLDERS], pages[:, PAGE_PRIORITY]
+    tick = h(t.page_stamps)[:, STAMP_LRU_TICK]
     has_host = pool_size[(lc * NUM_LEVELS + 1).clip(0, pool_size.size - 1)] > 0
     evictable = (state != PAGE_FREE) & (pages[:, PAGE_LOCKS] == 0) & np.where(
         holders == 0, state == PAGE_COMMITTED, level < has_host.astype(np.int64))
@@ -504,19 +510,19 @@ def _check_pools(mgr, pages, fail):
                 fail(9, f"life cycle {lc} level {level}: storage slots are not each used or free exactly once")
 
 
-def _check_monotone_coverage(mgr, slots, raw, in_use, L):
+def _check_monotone_coverage(mgr, slots, raw, ids, in_use, L):
     """Invariant 10: while a slot keeps a page, its coverage never decreases.
 
     Remembered across calls by (block key, life cycle) -> (page serial,
     coverage): a page row is recycled when its page dies, and the serial
     tells a new page in that row from the one seen before."""
     history = mgr.__dict__.setdefault("_sanity_coverage", {})
-    serials = mgr._backend.to_host(mgr._tables.pages[:, PAGE_SERIAL])
+    serials = mgr._backend.to_host(mgr._tables.page_stamps[:, STAMP_SERIAL])
     seen = {}
     for r in in_use:
         if raw[r, BLK_FLAGS] & FLAG_ROOT or not raw[r, BLK_FLAGS] & FLAG_ATTACHED:
             continue
-        key = int64x4_to_digest(raw[r, BLK_DIGEST:BLK_DIGEST + 4])
+        key = int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4])
         for lc in range(L):
             pg, cov = slots[slot_row(r, lc, L)]
             if pg == NULL:
@@ -548,6 +554,7 @@ def dump(mgr) -> str:
     """A readable rendering of the tree: one line per block with its tokens
     (abbreviated) and per-life-cycle ``page:coverage``."""
     raw = mgr._backend.to_host(mgr._tables.blocks)
+    ids = mgr._backend.to_host(mgr._tables.block_ids)
     toks = mgr._backend.to_host(mgr._tables.tokens)
     slots = mgr._backend.to_host(mgr._tables.slots)
     L = len(mgr.config.life_cycles)
@@ -570,7 +577,7 @@ def dump(mgr) -> str:
                 else f"{slots[slot_row(r, lc, L), SLOT_PAGE]}:{slots[slot_row(r, lc, L), SLOT_COVERAGE]}"
                 for lc in range(L)
             )
-            key = int64x4_to_digest(raw[r, BLK_DIGEST:BLK_DIGEST + 4]).hex()[:8]
+            key = int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]).hex()[:8]
             lines.append(f"{'  ' * depth}B{raw[r, BLK_ORDINAL]}/{n} row {r} {key} {shown}{tail} [{pages}]")
             stack.append((raw[r, BLK_FIRST_CHILD], depth + 1))
     return "\n".join(lines) if lines else "(empty tree)"
@@ -613,9 +620,10 @@ def planned_pages(plan) -> list:
     still the committed pages it was made for, in plan order."""
     tables = plan._tables
     rows = tables.backend.to_host(tables.pages)
+    serials = tables.backend.to_host(tables.page_stamps[:, STAMP_SERIAL])
     out = []
     for p, serial in plan._pages:
-        if rows[p, PAGE_SERIAL] == serial and rows[p, PAGE_STATE] == PAGE_COMMITTED:
+        if serials[p] == serial and rows[p, PAGE_STATE] == PAGE_COMMITTED:
             out.append((int(rows[p, PAGE_LIFE_CYCLE]), int(rows[p, PAGE_POOL_INDEX])))
     return out
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from .core.config import CacheConfig
 from .core.layout import (
-    BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGES, POLICY, ROW_DTYPE,
+    BLOCK_IDS, BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGE_STAMPS, PAGES, POLICY, ROW_DTYPE,
     SHA256_WORK_WORDS, SLOTS,
 )
 from .table_sizes import copy_budget, pow2_at_least, preallocated_sizes
@@ -63,12 +63,14 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
     ``blocks``: block rows to count (default: ``config.max_blocks``, or the
     256 rows the tables start with when it is None). Per-table sizes:
 
-    - per block row ``r``: ``blocks`` (its layout width, int64), ``tokens``
+    - per block row ``r``: ``blocks`` (its layout width, int32), ``block_ids``
+      (the 64-bit key, serial and digest), ``tokens``
       (``T`` int32), ``slots`` (one row per life cycle, int32), ``block_free``
       (int64: it also holds a launch's retired rows), and two child-index
       bucket arrays of the power of two at least ``2r`` (int32);
     - per page ``P`` (GPU and host pages of every life cycle): ``pages``
-      (its layout width, int64), ``page_free`` and ``row_free`` (int32) and
+      (its layout width, int32), ``page_stamps`` (the 64-bit LRU tick and
+      serial), ``page_free`` and ``row_free`` (int32) and
       the copy list (``3P + 16`` records, int32, or ``table_sizes.COPY_LIST_BUDGET``
       bytes when that is less);
     - the change log (``log``, ``log_tokens``), at the sizes
@@ -99,9 +101,11 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
 
     tables = {
         "blocks": record(BLOCKS, rows),
+        "block_ids": record(BLOCK_IDS, rows),
         "tokens": rows * T * INT32,
         "slots": record(SLOTS, rows * L),
         "pages": record(PAGES, P),
+        "page_stamps": record(PAGE_STAMPS, P),
         "buckets": buckets * ROW,
         "sibling_buckets": buckets * ROW,
         "block_free": rows * INT64,

@@ -35,12 +35,13 @@ from .core.layout import (
     NUM_LEVELS,
     NUM_PRIORITIES,
     SHA256_WORK_WORDS,
-    BLK_DIGEST,
+    BID_DIGEST,
+    BID_KEY,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
-    BLK_KEY,
     BLK_PARENT,
+    BLOCK_IDS,
     BLOCKS,
     CNT_BLOCK_FREE_TOP,
     CNT_LOG_LEN,
@@ -62,6 +63,7 @@ from .core.layout import (
     PAGE_LIFE_CYCLE,
     PAGE_STATE,
     PAGE_FREE,
+    PAGE_STAMPS,
     PAGES,
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_SCRATCH_REWIND,
@@ -70,15 +72,18 @@ from .core.layout import (
     RETIRED_ROW_BITS,
     ROW_DTYPE,
     SLOTS,
+    STAMP_SERIAL,
 )
 
 DeviceTables = namedtuple(
     "DeviceTables",
     [
-        "blocks",  # int64 [rows, BLOCKS.width]
+        "blocks",  # int32 [rows, BLOCKS.width]
+        "block_ids",  # int64 [rows, BLOCK_IDS.width]: the blocks' keys, serials, digests
         "tokens",  # int32 [rows, T]
         "slots",  # int32 [rows * L, SLOTS.width]
-        "pages",  # int64 [pages, PAGES.width]
+        "pages",  # int32 [pages, PAGES.width]
+        "page_stamps",  # int64 [pages, PAGE_STAMPS.width]: the pages' LRU ticks and serials
         "buckets",  # int32 [power of two]: child-index bucket heads (by key)
         "sibling_buckets",  # int32 [power of two]: heads by (parent row, first token)
         "block_free",  # int64 [rows]: free-row stack
@@ -125,8 +130,9 @@ class Tables:
         self.log_budget = log_budget(T)  # (log rows, log_tokens rows) the change log is kept within
         sizes0 = preallocated_sizes(config)
         rows = sizes0["blocks"]
-        self.blocks = xp.full((rows, BLOCKS.width), NULL, dtype=np.int64)
+        self.blocks = xp.full((rows, BLOCKS.width), NULL, dtype=BLOCKS.dtype)
         self.blocks[:, BLK_FLAGS] = 0
+        self.block_ids = xp.full((rows, BLOCK_IDS.width), NULL, dtype=BLOCK_IDS.dtype)
         self.tokens = xp.zeros((rows, T), dtype=np.int32)
         self.slots = xp.zeros((rows * L, SLOTS.width), dtype=np.int32)
         self.slots[:, 0] = NULL
@@ -147,7 +153,7 @@ class Tables:
         per_lc = sizes.reshape(L, NUM_LEVELS).sum(axis=1) if L else np.zeros(0, dtype=np.int64)
         row_starts = np.concatenate([[0], np.cumsum(per_lc)[:-1]]).astype(np.int64)
         total = int(sizes.sum())
-        pages = np.full((total, PAGES.width), NULL, dtype=np.int64)
+        pages = np.full((total, PAGES.width), NULL, dtype=PAGES.dtype)
         pages[:, PAGE_STATE] = PAGE_FREE
         page_free = np.empty(total, dtype=ROW_DTYPE)
         row_free = np.empty(total, dtype=ROW_DTYPE)
@@ -162,6 +168,7 @@ class Tables:
         # per launch (``ensure_log``), never for the whole pool.
         self.log = xp.empty((sizes0["log"], LOG.width), dtype=np.int64)
         self.pages = backend.to_device(pages)
+        self.page_stamps = xp.full((total, PAGE_STAMPS.width), NULL, dtype=PAGE_STAMPS.dtype)
         self.page_free = backend.to_device(page_free)
         self.pool_start = backend.to_device(starts)
         self.pool_top = backend.to_device(sizes.copy())
@@ -268,9 +275,11 @@ class Tables:
         xp = self.xp
         L = self.num_life_cycles
         extra = new - old
-        blocks = xp.full((new, BLOCKS.width), NULL, dtype=np.int64)
+        blocks = xp.full((new, BLOCKS.width), NULL, dtype=BLOCKS.dtype)
         blocks[:old] = self.blocks
         blocks[old:, BLK_FLAGS] = 0
+        block_ids = xp.full((new, BLOCK_IDS.width), NULL, dtype=BLOCK_IDS.dtype)
+        block_ids[:old] = self.block_ids
         tokens = xp.zeros((new, self.tokens_per_block), dtype=np.int32)
         tokens[:old] = self.tokens
         slots = xp.zeros((new * L, SLOTS.width), dtype=np.int32)
@@ -284,7 +293,8 @@ class Tables:
         retired = int(self.counters_host()[CNT_RETIRED])
         if retired:
             block_free[new - retired:] = self.block_free[old - retired:]
-        self.blocks, self.tokens, self.slots, self.block_free = blocks, tokens, slots, block_free
+        self.blocks, self.block_ids, self.tokens, self.slots = blocks, block_ids, tokens, slots
+        self.block_free = block_free
         self.counters[CNT_BLOCK_FREE_TOP] = free + extra
         self._rebuild_index(pow2_at_least(2 * new))
 
@@ -296,7 +306,7 @@ class Tables:
         attached = (flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)
         rows = xp.nonzero(attached)[0]
         mask = num_buckets - 1
-        self.buckets = self._chain(rows, self.blocks[rows, BLK_KEY] & mask, BLK_HASH_NEXT, num_buckets)
+        self.buckets = self._chain(rows, self.block_ids[rows, BID_KEY] & mask, BLK_HASH_NEXT, num_buckets)
         rows = xp.nonzero(attached & ((flags & FLAG_ROOT) == 0))[0]
         h = sibling_hash_np(self.backend.to_host(self.blocks[rows, BLK_PARENT]), self.backend.to_host(self.tokens[rows, 0]))
         b = self.backend.to_device((h & np.uint64(mask)).astype(np.int64))
@@ -310,7 +320,7 @@ class Tables:
         if rows.size:
             order = xp.argsort(bucket_of_row, kind="stable") if xp is np else xp.argsort(bucket_of_row)
             rows, b = rows[order], bucket_of_row[order]
-            nxt = xp.full(rows.size, NULL, dtype=np.int64)
+            nxt = xp.full(rows.size, NULL, dtype=BLOCKS.dtype)
             nxt[:-1] = xp.where(b[1:] == b[:-1], rows[1:], NULL)
             self.blocks[rows, next_col] = nxt
             first = xp.ones(rows.size, dtype=bool)
@@ -318,13 +328,13 @@ class Tables:
             heads[b[first]] = rows[first]
         return heads
 
-    def page_fields(self, rows, column: int) -> np.ndarray:
-        """One column of the given page rows, as a host array; only those rows
-        leave the device."""
+    def page_serials(self, rows) -> np.ndarray:
+        """The serials (int64) of the given page rows, as a host array; only
+        those rows leave the device."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0:
             return np.zeros(0, dtype=np.int64)
-        return np.array(self.backend.to_host(self.pages[self.backend.to_device(rows), column]))
+        return np.array(self.backend.to_host(self.page_stamps[self.backend.to_device(rows), STAMP_SERIAL]))
 
     # -- multimodal digests -----------------------------------------------------
     def intern_digest(self, digest: bytes) -> int:
@@ -463,7 +473,7 @@ class Tables:
     def digests_of(self, rows: np.ndarray) -> np.ndarray:
         """The chain digests ([n, 4] int64) of block rows, a host copy: read
         for retired rows before they are returned (nothing reused them yet)."""
-        d = self.backend.to_host(self.blocks[self.backend.to_device(rows), BLK_DIGEST:BLK_DIGEST + 4])
+        d = self.backend.to_host(self.block_ids[self.backend.to_device(rows), BID_DIGEST:BID_DIGEST + 4])
         return np.array(d).reshape(len(rows), 4)
 
     def return_rows(self, rows: np.ndarray) -> None:

@@ -31,7 +31,7 @@ from .kernels.tree import (
     build_tree_kernel,
 )
 from .core.layout import (
-    BLK_DIGEST,
+    BID_DIGEST,
     BLK_SCOPE,
     BLK_FLAGS,
     BLK_NUM_TOKENS,
@@ -172,7 +172,7 @@ class BlockTree:
         return self.backend.to_host(self.tables.blocks[r])
 
     def key_of(self, r: int) -> bytes:
-        return int64x4_to_digest(self.row(r)[BLK_DIGEST:BLK_DIGEST + 4])
+        return int64x4_to_digest(self.backend.to_host(self.tables.block_ids[r, BID_DIGEST:BID_DIGEST + 4]))
 
     def resolve(self, ref: BlockRef, what: str = "block") -> int:
         if not isinstance(ref, BlockRef):

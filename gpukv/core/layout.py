@@ -24,8 +24,9 @@ from .config import PRIORITY_MAX, PRIORITY_MIN
 
 NULL = -1  # "no row": an empty slot, a missing parent, the end of a list
 # Block rows, page rows and pool indices are below 2**31: tables that hold
-# nothing else (bucket heads, free lists, copies, slots) are this narrow.
-# Keys, digests, serials, ticks and counters stay 64-bit.
+# nothing else (block and page records, bucket heads, free lists, copies,
+# slots) are this narrow. Keys, digests, serials, ticks and counters stay
+# 64-bit, in tables of their own beside the records (BLOCK_IDS, PAGE_STAMPS).
 ROW_DTYPE = np.int32
 
 
@@ -58,15 +59,13 @@ class Layout:
 # One row per tree block; roots are blocks too (ordinal -1, no tokens).
 BLOCKS = Layout(
     "blocks",
-    np.int64,
+    np.int32,
     [
         # The fields a walk reads per hop come first, so they share a cache line.
-        ("key", 1),  # fast 64-bit chain key: mix(parent key, content hash)
         ("parent", 1),  # parent row; NULL for a root and for an orphan
         ("num_tokens", 1),  # 1..T (T for full blocks); 0 for roots
         ("hash_next", 1),  # next row in this key's child-index bucket
         ("first_next", 1),  # next row in this (parent, first token) bucket
-        ("serial", 1),  # creation order: siblings' insertion order
         ("first_child", 1),  # children in insertion order, as a doubly linked list
         ("last_child", 1),
         ("next_sibling", 1),
@@ -76,6 +75,16 @@ BLOCKS = Layout(
         ("scope", 1),  # interned reuse-scope id
         ("flags", 1),  # FLAG_* bits below
         ("refs", 1),  # sequences referring to this row (keeps an orphan's row alive)
+    ],
+)
+# The 64-bit fields of each block row, beside BLOCKS (same row numbers): what
+# names a block. Kept apart so every other field is 32 bits wide.
+BLOCK_IDS = Layout(
+    "block_ids",
+    np.int64,
+    [
+        ("key", 1),  # fast 64-bit chain key: mix(parent key, content hash)
+        ("serial", 1),  # creation order: siblings' insertion order
         ("digest", 4),  # the reference SHA-256 chain key, 32 bytes in memory order
     ],
 )
@@ -89,7 +98,7 @@ SLOTS = Layout("slots", np.int32, [("page", 1), ("coverage", 1)])
 # One row per page of every life cycle's pool (all cache levels).
 PAGES = Layout(
     "pages",
-    np.int64,
+    np.int32,
     [
         ("block", 1),  # the block whose slot links this page; NULL = unlinked
         ("life_cycle", 1),
@@ -99,16 +108,23 @@ PAGES = Layout(
         ("holders", 1),  # sequences holding the page
         ("locks", 1),  # sequences holding it locked on the GPU
         ("planned_drops", 1),
-        ("lru_tick", 1),  # when it last became evictable (LRU order)
         ("state", 1),  # PAGE_* below
         ("pool_index", 1),  # its index in the life cycle's pool of its level
-        ("serial", 1),  # set at allocation: tells a page from a later one in the same row
         # Its place among the eviction candidates (kernels/lru.py): the
         # neighbours in its list, oldest first, and the list; NULL when it
         # is no candidate.
         ("lru_prev", 1),
         ("lru_next", 1),
         ("lru_list", 1),
+    ],
+)
+# The 64-bit fields of each page row, beside PAGES (same row numbers).
+PAGE_STAMPS = Layout(
+    "page_stamps",
+    np.int64,
+    [
+        ("lru_tick", 1),  # when it last became evictable (LRU order)
+        ("serial", 1),  # set at allocation: tells a page from a later one in the same row
     ],
 )
 PAGE_FREE = 0
@@ -393,22 +409,23 @@ BATCH_WIDTH = BATCH_ARGS + SEQ_ARGS_WIDTH
 # Column constants, one per field: plain assignments so grep and IDEs find
 # them; _check_columns below fails at import if one is missing or wrong.
 
-BLK_KEY = 0
-BLK_PARENT = 1
-BLK_NUM_TOKENS = 2
-BLK_HASH_NEXT = 3
-BLK_FIRST_NEXT = 4
-BLK_SERIAL = 5
-BLK_FIRST_CHILD = 6
-BLK_LAST_CHILD = 7
-BLK_NEXT_SIBLING = 8
-BLK_PREV_SIBLING = 9
-BLK_NUM_CHILDREN = 10
-BLK_ORDINAL = 11
-BLK_SCOPE = 12
-BLK_FLAGS = 13
-BLK_REFS = 14
-BLK_DIGEST = 15
+BLK_PARENT = 0
+BLK_NUM_TOKENS = 1
+BLK_HASH_NEXT = 2
+BLK_FIRST_NEXT = 3
+BLK_FIRST_CHILD = 4
+BLK_LAST_CHILD = 5
+BLK_NEXT_SIBLING = 6
+BLK_PREV_SIBLING = 7
+BLK_NUM_CHILDREN = 8
+BLK_ORDINAL = 9
+BLK_SCOPE = 10
+BLK_FLAGS = 11
+BLK_REFS = 12
+
+BID_KEY = 0
+BID_SERIAL = 1
+BID_DIGEST = 2
 
 SLOT_PAGE = 0
 SLOT_COVERAGE = 1
@@ -421,13 +438,14 @@ PAGE_PRIORITY = 4
 PAGE_HOLDERS = 5
 PAGE_LOCKS = 6
 PAGE_PLANNED_DROPS = 7
-PAGE_LRU_TICK = 8
-PAGE_STATE = 9
-PAGE_POOL_INDEX = 10
-PAGE_SERIAL = 11
-PAGE_LRU_PREV = 12
-PAGE_LRU_NEXT = 13
-PAGE_LRU_LIST = 14
+PAGE_STATE = 8
+PAGE_POOL_INDEX = 9
+PAGE_LRU_PREV = 10
+PAGE_LRU_NEXT = 11
+PAGE_LRU_LIST = 12
+
+STAMP_LRU_TICK = 0
+STAMP_SERIAL = 1
 
 LOG_KIND = 0
 LOG_LIFE_CYCLE = 1
@@ -566,6 +584,7 @@ APPEND_IS_END = 2
 APPEND_ROOM = 3
 
 BLK_WIDTH = BLOCKS.width
+BID_WIDTH = BLOCK_IDS.width
 PAGE_WIDTH = PAGES.width
 LOG_WIDTH = LOG.width
 POLICY_WIDTH = POLICY.width
@@ -584,7 +603,7 @@ def _check_columns(layout: Layout, prefix: str):
 
 
 for _layout, _prefix in (
-    (BLOCKS, "BLK"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (LOG, "LOG"), (COUNTERS, "CNT"), (POLICY, "POLICY"),
+    (BLOCKS, "BLK"), (BLOCK_IDS, "BID"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (PAGE_STAMPS, "STAMP"), (LOG, "LOG"), (COUNTERS, "CNT"), (POLICY, "POLICY"),
     (COPIES, "COPY"), (LRU_LISTS, "LRU"), (LRU_GROUPS, "LG"), (SEQ_SCALARS, "Q"), (MATCH_RESULT, "RES"),
     (LANE, "LN"), (ADD_ARGS, "ADD"), (INSERT_ARGS, "INSERT"), (ADD_PAGE_ARGS, "ADD_PAGE"), (UNLINK_ARGS, "UNLINK"),
     (PAGE_ARGS, "PAGE_ARG"), (DROP_ARGS, "DROP"), (BLOCK_ARGS, "BLOCK_ARG"), (ANNOUNCE_ARGS, "ANNOUNCE"), (EVICT_ARGS, "EVICT"),

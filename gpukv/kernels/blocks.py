@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from ..core.kinds import death_removes_subtree
 from ..core.layout import (
-    BLK_DIGEST,
+    BID_DIGEST,
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
-    BLK_KEY,
+    BID_KEY,
     BLK_LAST_CHILD,
     BLK_NEXT_SIBLING,
     BLK_NUM_CHILDREN,
@@ -30,8 +30,9 @@ from ..core.layout import (
     BLK_PREV_SIBLING,
     BLK_REFS,
     BLK_SCOPE,
-    BLK_SERIAL,
+    BID_SERIAL,
     BLK_WIDTH,
+    BID_WIDTH,
     CNT_BLOCK_FREE_TOP,
     CNT_DETACHES,
     CNT_ERROR,
@@ -88,11 +89,13 @@ def alloc_block(S):
     S.counters[CNT_LIVE_BLOCKS] += 1
     for c in range(BLK_WIDTH):
         S.blocks[r, c] = NULL
+    for c in range(BID_WIDTH):
+        S.block_ids[r, c] = NULL
     S.blocks[r, BLK_NUM_CHILDREN] = 0
     S.blocks[r, BLK_NUM_TOKENS] = 0
     S.blocks[r, BLK_FLAGS] = FLAG_IN_USE
     S.blocks[r, BLK_REFS] = 0
-    S.blocks[r, BLK_SERIAL] = S.counters[CNT_SERIAL]
+    S.block_ids[r, BID_SERIAL] = S.counters[CNT_SERIAL]
     S.counters[CNT_SERIAL] += 1
     L = S.lc_kind.shape[0]
     for lc in range(L):
@@ -243,7 +246,7 @@ def clear_tree(S):
         r = NULL
         for c in range(S.blocks.shape[0]):  # the oldest remaining root
             if (S.blocks[c, BLK_FLAGS] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE):
-                if r == NULL or S.blocks[c, BLK_SERIAL] < S.blocks[r, BLK_SERIAL]:
+                if r == NULL or S.block_ids[c, BID_SERIAL] < S.block_ids[r, BID_SERIAL]:
                     r = c
         if r == NULL:
             return
@@ -263,11 +266,11 @@ def get_or_create_root(S, scope_id, scope_key, scope_digest):
     r = alloc_block(S)
     if r == NULL:
         return NULL
-    S.blocks[r, BLK_KEY] = scope_key
+    S.block_ids[r, BID_KEY] = scope_key
     S.blocks[r, BLK_SCOPE] = scope_id
     S.blocks[r, BLK_FLAGS] = FLAG_IN_USE | FLAG_ATTACHED | FLAG_ROOT
     for w in range(4):
-        S.blocks[r, BLK_DIGEST + w] = scope_digest[w]
+        S.block_ids[r, BID_DIGEST + w] = scope_digest[w]
     index_insert(S, r)
     return r
 
@@ -301,7 +304,7 @@ def add_or_get(S, parent, toks, start, n, out):
     if not is_root(S, parent) and S.blocks[parent, BLK_NUM_TOKENS] != T:
         S.counters[CNT_ERROR] = ERR_NON_FULL_PARENT
         return
-    key = combine(S.blocks[parent, BLK_KEY], content_hash(toks, start, n))
+    key = combine(S.block_ids[parent, BID_KEY], content_hash(toks, start, n))
     r = find_child(S, parent, key, toks, start, n)
     if r != NULL:
         out[OUT_BLOCK] = r
@@ -316,7 +319,7 @@ def add_or_get(S, parent, toks, start, n, out):
             m = S.blocks[c, BLK_NUM_TOKENS]
             if n < T and m >= n and tokens_equal(S, c, toks, start, n):
                 # the useless-partial rule: the first (in insertion order) covering sibling
-                if covering == NULL or S.blocks[c, BLK_SERIAL] < S.blocks[covering, BLK_SERIAL]:
+                if covering == NULL or S.block_ids[c, BID_SERIAL] < S.block_ids[covering, BID_SERIAL]:
                     covering = c
             elif m < n and tokens_equal(S, c, toks, start, m):
                 covered = c  # prefixes of one chunk are nested: at most one exists
@@ -327,7 +330,7 @@ def add_or_get(S, parent, toks, start, n, out):
     r = alloc_block(S)
     if r == NULL:
         return
-    S.blocks[r, BLK_KEY] = key
+    S.block_ids[r, BID_KEY] = key
     S.blocks[r, BLK_PARENT] = parent
     S.blocks[r, BLK_ORDINAL] = S.blocks[parent, BLK_ORDINAL] + 1
     S.blocks[r, BLK_NUM_TOKENS] = n
@@ -338,11 +341,11 @@ def add_or_get(S, parent, toks, start, n, out):
     for i in range(n, T):
         S.tokens[r, i] = 0
     chain_digest(
-        S.blocks[parent, BLK_DIGEST:BLK_DIGEST + 4],
+        S.block_ids[parent, BID_DIGEST:BID_DIGEST + 4],
         S.tokens[r],
         n,
         S.mm_digests,
-        S.blocks[r, BLK_DIGEST:BLK_DIGEST + 4],
+        S.block_ids[r, BID_DIGEST:BID_DIGEST + 4],
         S.work,
     )
     # NOTE insert before detaching the covered sibling: a root whose only

@@ -35,7 +35,7 @@ from ..core.layout import (
     PAGE_LIFE_CYCLE,
     PAGE_LOCKS,
     PAGE_LRU_LIST,
-    PAGE_LRU_TICK,
+    STAMP_LRU_TICK,
     PAGE_POOL_INDEX,
     PAGE_PRIORITY,
     PAGE_STATE,
@@ -94,7 +94,7 @@ def lru_update(S, p):
 def enter_lru(S, p, t):
     """``p`` takes its place ``t`` in its LRU (or leaves it, if no candidate)."""
     lru_unlink(S, p)
-    S.pages[p, PAGE_LRU_TICK] = t
+    S.page_stamps[p, STAMP_LRU_TICK] = t
     want = candidate_list(S, p)
     if want != NULL:
         lru_insert(S, p, want)
@@ -122,7 +122,7 @@ def evicts_before(S, p, q):
         return True
     a = S.pages[p, PAGE_PRIORITY]
     b = S.pages[q, PAGE_PRIORITY]
-    return a < b or (a == b and S.pages[p, PAGE_LRU_TICK] < S.pages[q, PAGE_LRU_TICK])
+    return a < b or (a == b and S.page_stamps[p, STAMP_LRU_TICK] < S.page_stamps[q, STAMP_LRU_TICK])
 
 
 @helper(inline=False)

@@ -16,7 +16,7 @@ from ..core.layout import (
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
-    BLK_KEY,
+    BID_KEY,
     BLK_NUM_TOKENS,
     BLK_PARENT,
     BLK_SCOPE,
@@ -67,7 +67,7 @@ def is_child(S, r, parent, key, toks, start, n):
     holding exactly ``toks[start:start+n]``? The 64-bit key only selects
     candidates; parent, length and every token are compared too."""
     return (
-        S.blocks[r, BLK_KEY] == key
+        S.block_ids[r, BID_KEY] == key
         and S.blocks[r, BLK_PARENT] == parent
         and S.blocks[r, BLK_NUM_TOKENS] == n
         and tokens_equal(S, r, toks, start, n)
@@ -98,7 +98,7 @@ def find_root(S, scope_id, scope_key):
 @helper
 def index_insert(S, r):
     """Enter ``r`` in the child index and, unless a root, in the sibling index."""
-    b = bucket_of(S, S.blocks[r, BLK_KEY])
+    b = bucket_of(S, S.block_ids[r, BID_KEY])
     S.blocks[r, BLK_HASH_NEXT] = S.buckets[b]
     S.buckets[b] = r
     if not is_root(S, r):
@@ -128,7 +128,7 @@ def unchain(S, heads, h, r, next_col):
 @helper
 def index_remove(S, r):
     """Take ``r`` out of both indexes (while its parent is still set)."""
-    unchain(S, S.buckets, bucket_of(S, S.blocks[r, BLK_KEY]), r, BLK_HASH_NEXT)
+    unchain(S, S.buckets, bucket_of(S, S.block_ids[r, BID_KEY]), r, BLK_HASH_NEXT)
     if not is_root(S, r):
         f = sibling_bucket_of(S, S.blocks[r, BLK_PARENT], S.tokens[r, 0])
         unchain(S, S.sibling_buckets, f, r, BLK_FIRST_NEXT)

@@ -9,7 +9,7 @@ events and for tests.
 from __future__ import annotations
 
 from ..core.layout import (
-    BLK_DIGEST,
+    BID_DIGEST,
     BLK_NUM_TOKENS,
     BLK_PARENT,
     CNT_ERROR,
@@ -50,7 +50,7 @@ def log(S, kind, r, lc):
     S.log[n, LOG_LIFE_CYCLE] = lc
     S.log[n, LOG_BLOCK] = r
     for w in range(4):
-        S.log[n, LOG_DIGEST + w] = S.blocks[r, BLK_DIGEST + w]
+        S.log[n, LOG_DIGEST + w] = S.block_ids[r, BID_DIGEST + w]
     S.counters[CNT_LOG_LEN] = n + 1
     return n
 
@@ -67,7 +67,7 @@ def announce(S, r, kind, lc):
     parent = S.blocks[r, BLK_PARENT]
     if parent != NULL:
         for w in range(4):
-            S.log[n, LOG_PARENT_DIGEST + w] = S.blocks[parent, BLK_DIGEST + w]
+            S.log[n, LOG_PARENT_DIGEST + w] = S.block_ids[parent, BID_DIGEST + w]
     S.log[n, LOG_PARENT_IS_ROOT] = 1 if parent == NULL or is_root(S, parent) else 0
     nt = S.blocks[r, BLK_NUM_TOKENS]
     S.log[n, LOG_NUM_TOKENS] = nt

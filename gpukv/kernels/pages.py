@@ -31,11 +31,11 @@ from ..core.layout import (
     PAGE_LEVEL,
     PAGE_LIFE_CYCLE,
     PAGE_LOCKS,
-    PAGE_LRU_TICK,
+    STAMP_LRU_TICK,
     PAGE_PLANNED_DROPS,
     PAGE_POOL_INDEX,
     PAGE_PRIORITY,
-    PAGE_SERIAL,
+    STAMP_SERIAL,
     PAGE_STATE,
     SLOT_COVERAGE,
     SLOT_PAGE,
@@ -111,8 +111,8 @@ def alloc_page(S, lc, level, priority):
     S.pages[p, PAGE_PLANNED_DROPS] = 0
     S.pages[p, PAGE_PRIORITY] = priority
     S.pages[p, PAGE_STATE] = PAGE_COMMITTED
-    S.pages[p, PAGE_LRU_TICK] = NULL
-    S.pages[p, PAGE_SERIAL] = S.counters[CNT_SERIAL]
+    S.page_stamps[p, STAMP_LRU_TICK] = NULL
+    S.page_stamps[p, STAMP_SERIAL] = S.counters[CNT_SERIAL]
     S.counters[CNT_SERIAL] += 1
     return p
 

@@ -20,10 +20,10 @@ from ..core.kinds import is_checkpoint
 from ..core.layout import (
     BLK_FIRST_NEXT,
     BLK_FLAGS,
-    BLK_KEY,
+    BID_KEY,
     BLK_NUM_TOKENS,
     BLK_PARENT,
-    BLK_SERIAL,
+    BID_SERIAL,
     FLAG_ATTACHED,
     NULL,
     RES_BEFORE_HYBRID_PRUNING,
@@ -63,7 +63,7 @@ def best_partial_child(S, node, toks, start, n, out):
     while c != NULL:
         if S.blocks[c, BLK_PARENT] == node and S.tokens[c, 0] == first:
             m = common_prefix(S, c, toks, start, n)
-            if m > best_n or (m == best_n and S.blocks[c, BLK_SERIAL] < S.blocks[best, BLK_SERIAL]):
+            if m > best_n or (m == best_n and S.block_ids[c, BID_SERIAL] < S.block_ids[best, BID_SERIAL]):
                 best = c
                 best_n = m
         c = S.blocks[c, BLK_FIRST_NEXT]
@@ -98,7 +98,7 @@ def walk_rest(S, B, i, node, count, partial, tmp):
     base = B.path_off[i]
     if n < T:  # the tail block: the stepper walks full blocks only
         hash_base = B.hash_off[i] if B.hash_off.shape[0] > 0 else -1
-        key = combine(S.blocks[node, BLK_KEY], block_hash(B.toks, start, n_tok, B.hashes, hash_base, j, T))
+        key = combine(S.block_ids[node, BID_KEY], block_hash(B.toks, start, n_tok, B.hashes, hash_base, j, T))
         r = find_child(S, node, key, B.toks, start + j * T, n)
         if r != NULL:
             B.path[base + count] = r
@@ -124,7 +124,7 @@ def recall(S, B, i, hash_base, base):
     while k < v:
         r = B.memo_rows[hash_base + k]
         if not B.trusted[i] and (
-            S.blocks[r, BLK_SERIAL] != B.memo_serials[hash_base + k]
+            S.block_ids[r, BID_SERIAL] != B.memo_serials[hash_base + k]
             or (S.blocks[r, BLK_FLAGS] & FLAG_ATTACHED) == 0
         ):
             break
@@ -141,7 +141,7 @@ def remember(S, B, i, hash_base, base, count, last_n):
     for k in range(B.verified[i], full):
         r = B.path[base + k]
         B.memo_rows[hash_base + k] = r
-        B.memo_serials[hash_base + k] = S.blocks[r, BLK_SERIAL]
+        B.memo_serials[hash_base + k] = S.block_ids[r, BID_SERIAL]
     B.verified[i] = max(full, 0)
 
 

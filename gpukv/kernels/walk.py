@@ -32,7 +32,7 @@ import numpy as np
 from ..core.layout import (
     BLK_FLAGS,
     BLK_HASH_NEXT,
-    BLK_KEY,
+    BID_KEY,
     BLK_NUM_TOKENS,
     BLK_PARENT,
     FLAG_ATTACHED,
@@ -91,9 +91,11 @@ def fetch_add(a, i, v):
 
 @helper
 def prefetch_row(S, r):
-    """Every cache line of row ``r`` a key lookup reads: the key..hash_next
-    fields and the tokens (rows do not start on cache lines)."""
-    prefetch2(S.blocks, r, BLK_KEY)
+    """Every cache line of row ``r`` a key lookup reads: its key, the
+    parent..hash_next fields and the tokens (rows do not start on cache
+    lines)."""
+    prefetch2(S.block_ids, r, BID_KEY)
+    prefetch2(S.blocks, r, BLK_PARENT)
     prefetch2(S.blocks, r, BLK_HASH_NEXT)
     prefetch_row_tokens(S, r)
 
@@ -179,7 +181,7 @@ def lane_run(S, B, st, g, i, T):
     if j >= nfull:
         return True
     hash_base = B.hash_off[i] if B.hash_off.shape[0] > 0 else -1
-    key = combine(S.blocks[node, BLK_KEY], block_hash(B.toks, start, B.lengths[i], B.hashes, hash_base, j, T))
+    key = combine(S.block_ids[node, BID_KEY], block_hash(B.toks, start, B.lengths[i], B.hashes, hash_base, j, T))
     st[g, LN_KEY] = key
     st[g, LN_ROW] = HEAD_PENDING
     prefetch1(S.buckets, key & (S.buckets.shape[0] - 1))
@@ -214,7 +216,7 @@ def lane_begin(S, B, st, g, i, node, count):
     if node == NULL or count >= nfull:
         return False
     hash_base = B.hash_off[i] if B.hash_off.shape[0] > 0 else -1
-    key = combine(S.blocks[node, BLK_KEY], block_hash(B.toks, B.starts[i], B.lengths[i], B.hashes, hash_base, count, T))
+    key = combine(S.block_ids[node, BID_KEY], block_hash(B.toks, B.starts[i], B.lengths[i], B.hashes, hash_base, count, T))
     st[g, LN_REQUEST] = i
     st[g, LN_BLOCK] = count
     st[g, LN_NUM_FULL] = nfull

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpukv import Attention, introspect
-from gpukv.core.layout import LG_COUNT, LG_LOWEST, NULL, PAGE_HOLDERS, PAGE_LOCKS, PAGE_LRU_LIST, PAGE_LRU_PREV, PAGE_LRU_TICK
+from gpukv.core.layout import LG_COUNT, LG_LOWEST, NULL, PAGE_HOLDERS, PAGE_LOCKS, PAGE_LRU_LIST, PAGE_LRU_PREV, STAMP_LRU_TICK
 
 from tests.support.backends import make_manager
 from tests.support.turns import finished, seq
@@ -266,9 +266,9 @@ def _cached_pool():
 
 def _corrupt_order(mgr):
     order = introspect.eviction_order(mgr, 0)
-    pages = mgr._tables.pages
+    stamps = mgr._tables.page_stamps
     a, b = order[-2], order[-1]  # seq(2)'s two pages, one list
-    pages[a, PAGE_LRU_TICK], pages[b, PAGE_LRU_TICK] = pages[b, PAGE_LRU_TICK], pages[a, PAGE_LRU_TICK]
+    stamps[a, STAMP_LRU_TICK], stamps[b, STAMP_LRU_TICK] = stamps[b, STAMP_LRU_TICK], stamps[a, STAMP_LRU_TICK]
 
 
 def _corrupt_unlink(mgr):

@@ -65,17 +65,17 @@ def test_formula_follows_growth():
 
 def test_formula_grows_with_the_layout_widths(monkeypatch):
     """The per-row sizes come from the layouts, not from numbers of their own:
-    a page record one column wider costs one int64 per page more."""
+    a page record one column wider costs one field (int32) per page more."""
     from gpukv import memory as module
     from gpukv.core.layout import Layout, PAGES
 
     config = gpukv.CacheConfig(**CONFIGS["hybrid"])
     before = gpukv.index_memory(config)
-    wider = Layout("pages", np.int64, PAGES.fields + [("extra", 1)])
+    wider = Layout("pages", PAGES.dtype, PAGES.fields + [("extra", 1)])
     monkeypatch.setattr(module, "PAGES", wider)
     after = gpukv.index_memory(config)
     pages = sum(config.pages_per_life_cycle_list()) + sum(config.pages_per_life_cycle_list(host=True))
-    assert after.tables["pages"] - before.tables["pages"] == 8 * pages
+    assert after.tables["pages"] - before.tables["pages"] == 4 * pages
 
 
 def test_max_blocks_tables_never_grow():
