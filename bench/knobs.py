@@ -25,6 +25,8 @@ KNOBS = {  # name -> (environment variable, default, what it sets)
     "step-rounds": ("GPUKV_BENCH_STEP_ROUNDS", "3", "rounds of the serving step benchmarks"),
     "step-requests": ("GPUKV_BENCH_STEP_REQUESTS", "900", "trace requests the serving step benchmarks read (running + fillers)"),
     "step-calls": ("GPUKV_BENCH_STEP_CALLS", "auto", "gpukv's calls in the serving step: auto, per-cache or batched"),
+    "step-digests": ("GPUKV_BENCH_STEP_DIGESTS", "0",
+                     "1: gpukv computes SHA-256 block digests in the serving step (what KV cache events need; 0: off)"),
     "vllm-batch": ("GPUKV_BENCH_VLLM_BATCH", "256", "running requests of vLLM's scheduler step benchmarks"),
     "vllm-steps": ("GPUKV_BENCH_VLLM_STEPS", "32", "steps per round of vLLM's scheduler step benchmarks"),
     "vllm-churn": ("GPUKV_BENCH_VLLM_CHURN", "4", "requests finishing and arriving per step in the churn group"),

@@ -192,7 +192,8 @@ class GpukvPerCache:
         # The index sized for the pool from the start, as vLLM's block pool is.
         self.mgr = gpukv.KVCacheManager(gpukv.CacheConfig(
             tokens_per_block=T, layers=[gpukv.Attention()], pages_per_life_cycle=pages,
-            enable_partial_reuse=False, initial_blocks=pages, backend="cpu"))
+            enable_partial_reuse=False, initial_blocks=pages, block_digests=bool(knobs.integer("step-digests")),
+            backend="cpu"))
 
     def admit(self, i: int):
         p = self.w.prompts[i]

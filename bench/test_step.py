@@ -30,7 +30,9 @@ vLLM and SGLang are optional: each one's tests are skipped, with the reason,
 when it does not import (see README.md for their install). gpukv runs
 through the per-cache calls, or the batched calls of the running batch when
 ``KVCacheManager`` has them (``GPUKV_BENCH_STEP_CALLS``: ``auto``,
-``per-cache``, ``batched``). ``bench/tools/report.py`` prints the table, with the
+``per-cache``, ``batched``), without SHA-256 block digests (no KV cache
+events are read: ``GPUKV_BENCH_STEP_DIGESTS=1`` computes them, as an engine
+publishing events would). ``bench/tools/report.py`` prints the table, with the
 ratios between systems measured in the same run.
 """
 
@@ -103,6 +105,8 @@ def info(benchmark, driver, w, phase: str, pool: str, order: list, reused: list,
         "decode_steps": DECODE_STEPS, **threads(), **more})
     if driver.name == "sglang":
         benchmark.extra_info["note"] = sb.TORCHVISION_NOTE
+    if driver.name == "gpukv":
+        benchmark.extra_info["block_digests"] = driver.mgr.config.block_digests
 
 
 PHASES = (("admission", None), ("decode", "roomy"), ("decode", "evicting"))

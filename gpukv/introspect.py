@@ -27,6 +27,7 @@ from .core.layout import (
     NUM_PRIORITIES,
     BID_DIGEST,
     BID_KEY,
+    BID_SERIAL,
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
@@ -314,6 +315,7 @@ def check_sanity(mgr):
     toks, slots, pages = t["tokens"], t["slots"], t["pages"]
     raw = mgr._backend.to_host(mgr._tables.blocks)
     ids = mgr._backend.to_host(mgr._tables.block_ids)
+    digests = mgr.config.block_digests
     T = mgr.config.tokens_per_block
     L = len(mgr.config.life_cycles)
     tree = mgr._tree
@@ -353,7 +355,7 @@ def check_sanity(mgr):
             fail(5 if not attached else 2, f"row {r}: attached={attached} but indexed={int(r) in indexed}")
         if flags & FLAG_ROOT:
             scope = _scope_of(tree, raw[r, BLK_SCOPE])
-            if int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]) != hashlib.sha256(scope.to_bytes()).digest():
+            if digests and int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]) != hashlib.sha256(scope.to_bytes()).digest():
                 fail(1, f"root row {r} is not keyed by SHA256 of its scope bytes")
             if raw[r, BLK_NUM_CHILDREN] == 0:
                 fail(1, f"root row {r} has no children outside an operation")
@@ -370,11 +372,14 @@ def check_sanity(mgr):
             fail(2, f"row {r} has ordinal {raw[r, BLK_ORDINAL]}, parent has {raw[p, BLK_ORDINAL]}")
         if not 1 <= n <= T:
             fail(2, f"row {r} holds {n} tokens")
-        expect = hashlib.sha256(
-            int64x4_to_digest(ids[p, BID_DIGEST:BID_DIGEST + 4]) + _encode(mgr, toks[r, :n])
-        ).digest()
-        if int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]) != expect:
-            fail(2, f"row {r}'s key is not SHA256(parent key || tokens)")
+        if digests:
+            expect = hashlib.sha256(
+                int64x4_to_digest(ids[p, BID_DIGEST:BID_DIGEST + 4]) + _encode(mgr, toks[r, :n])
+            ).digest()
+            if int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]) != expect:
+                fail(2, f"row {r}'s key is not SHA256(parent key || tokens)")
+        elif (ids[r, BID_DIGEST:BID_DIGEST + 4] != NULL).any():
+            fail(2, f"row {r} has a digest with block_digests off")
         if n < T and raw[r, BLK_NUM_CHILDREN]:
             fail(3, f"partial row {r} ({n} tokens) has children")
     # Children lists: every attached block is in its parent's list exactly
@@ -515,14 +520,15 @@ def _check_monotone_coverage(mgr, slots, raw, ids, in_use, L):
 
     Remembered across calls by (block key, life cycle) -> (page serial,
     coverage): a page row is recycled when its page dies, and the serial
-    tells a new page in that row from the one seen before."""
+    tells a new page in that row from the one seen before. The block key is
+    its digest (its serial with ``block_digests`` off)."""
     history = mgr.__dict__.setdefault("_sanity_coverage", {})
     serials = mgr._backend.to_host(mgr._tables.page_stamps[:, STAMP_SERIAL])
     seen = {}
     for r in in_use:
         if raw[r, BLK_FLAGS] & FLAG_ROOT or not raw[r, BLK_FLAGS] & FLAG_ATTACHED:
             continue
-        key = int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4])
+        key = int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]) if mgr.config.block_digests else int(ids[r, BID_SERIAL])
         for lc in range(L):
             pg, cov = slots[slot_row(r, lc, L)]
             if pg == NULL:
@@ -555,6 +561,7 @@ def dump(mgr) -> str:
     (abbreviated) and per-life-cycle ``page:coverage``."""
     raw = mgr._backend.to_host(mgr._tables.blocks)
     ids = mgr._backend.to_host(mgr._tables.block_ids)
+    digests = mgr.config.block_digests
     toks = mgr._backend.to_host(mgr._tables.tokens)
     slots = mgr._backend.to_host(mgr._tables.slots)
     L = len(mgr.config.life_cycles)
@@ -577,7 +584,7 @@ def dump(mgr) -> str:
                 else f"{slots[slot_row(r, lc, L), SLOT_PAGE]}:{slots[slot_row(r, lc, L), SLOT_COVERAGE]}"
                 for lc in range(L)
             )
-            key = int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]).hex()[:8]
+            key = int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]).hex()[:8] if digests else f"#{ids[r, BID_SERIAL]}"
             lines.append(f"{'  ' * depth}B{raw[r, BLK_ORDINAL]}/{n} row {r} {key} {shown}{tail} [{pages}]")
             stack.append((raw[r, BLK_FIRST_CHILD], depth + 1))
     return "\n".join(lines) if lines else "(empty tree)"

@@ -67,6 +67,7 @@ from .core.layout import (
     PAGES,
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_SCRATCH_REWIND,
+    POLICY_BLOCK_DIGESTS,
     POLICY_STABLE_PAGES,
     POLICY_WIDTH,
     RETIRED_ROW_BITS,
@@ -210,6 +211,7 @@ class Tables:
         scratch = config.swa_scratch_reuse
         policy[POLICY_SCRATCH_REWIND] = -1 if scratch is None else scratch.max_rewind_len
         policy[POLICY_STABLE_PAGES] = int(config.stable_pages)
+        policy[POLICY_BLOCK_DIGESTS] = int(config.block_digests)
         self.policy = backend.to_device(policy)
 
     # -- views ------------------------------------------------------------------

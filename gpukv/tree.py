@@ -32,6 +32,7 @@ from .kernels.tree import (
 )
 from .core.layout import (
     BID_DIGEST,
+    BID_SERIAL,
     BLK_SCOPE,
     BLK_FLAGS,
     BLK_NUM_TOKENS,
@@ -52,7 +53,8 @@ from .tokens import token_array
 
 @dataclass(frozen=True)
 class BlockRef:
-    """A handle on one tree block: its row and its SHA-256 key.
+    """A handle on one tree block: its row and its SHA-256 key (with
+    ``block_digests`` off, its 8-byte serial: no digest is computed).
 
     Rows are recycled, so every use checks that the row still holds the block
     with this key; a stale handle raises instead of touching another block."""
@@ -172,6 +174,8 @@ class BlockTree:
         return self.backend.to_host(self.tables.blocks[r])
 
     def key_of(self, r: int) -> bytes:
+        if not self.tables.config.block_digests:  # the serial tells a block from a later one in its row
+            return int(self.backend.to_host(self.tables.block_ids[r, BID_SERIAL])).to_bytes(8, "little", signed=True)
         return int64x4_to_digest(self.backend.to_host(self.tables.block_ids[r, BID_DIGEST:BID_DIGEST + 4]))
 
     def resolve(self, ref: BlockRef, what: str = "block") -> int:

@@ -132,6 +132,12 @@ class CacheConfig:
     # grow (a call that would need more rows is refused). None: start small
     # and grow by doubling.
     max_blocks: int | None = None
+    # Compute each block's SHA-256 chain digest as the block is created. KV
+    # cache events and the tree's block handles name blocks by it; matching
+    # and reuse do not read it (they key on a 64-bit chain key and compare
+    # tokens). Off, a commit skips the hashing, about half of its device
+    # time per block; events need it on.
+    block_digests: bool = True
     # Without max_blocks: block rows to start with (rounded up to a power of
     # two), still growing by doubling past them. An engine that knows its
     # steady state (about a block per full-attention page) pays no doubling
@@ -183,9 +189,12 @@ class CacheConfig:
             raise ConfigError(f"reuse_match_backoff must be at most {MAX_TOKEN_ID}, got {self.reuse_match_backoff!r}")
         if not isinstance(self.max_kv_event_entries, (int, np.integer)) or isinstance(self.max_kv_event_entries, bool):
             raise ConfigError(f"max_kv_event_entries must be an int, got {self.max_kv_event_entries!r}")
-        for name in ("enable_partial_reuse", "commit_min_snapshot", "stable_pages"):
+        for name in ("enable_partial_reuse", "commit_min_snapshot", "stable_pages", "block_digests"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.max_kv_event_entries > 0 and not self.block_digests:
+            raise ConfigError("KV cache events name blocks by their SHA-256 digests: max_kv_event_entries > 0 "
+                              "needs block_digests=True")
         if self.swa_scratch_reuse is not None and not isinstance(self.swa_scratch_reuse, SwaScratchReuse):
             raise ConfigError(f"swa_scratch_reuse must be None or gpukv.SwaScratchReuse, got {self.swa_scratch_reuse!r}")
         if self.event_hash not in EVENT_HASHES:

@@ -212,7 +212,6 @@ ERR_COPIES_FULL = 4
 ERR_NO_PAGE = 5  # an allocation the all-or-nothing check had promised found no page
 
 
-
 # Manager-wide switches the kernels read (DeviceTables.policy).
 POLICY = Layout(
     "policy",
@@ -221,6 +220,7 @@ POLICY = Layout(
         ("commit_min_snapshot", 1),
         ("scratch_rewind", 1),  # swa_scratch_reuse.max_rewind_len, -1 when off
         ("stable_pages", 1),  # 1: a cache's pages stay its own until it closes (no rebase)
+        ("block_digests", 1),  # 1: a created block gets its SHA-256 chain digest
     ],
 )
 
@@ -480,6 +480,7 @@ CNT_HELD_DETACHES = 15
 POLICY_COMMIT_MIN_SNAPSHOT = 0
 POLICY_SCRATCH_REWIND = 1
 POLICY_STABLE_PAGES = 2
+POLICY_BLOCK_DIGESTS = 3
 
 COPY_LIFE_CYCLE = 0
 COPY_SRC_LEVEL = 1

@@ -16,11 +16,13 @@ from __future__ import annotations
 from ..core.kinds import death_removes_subtree
 from ..core.layout import (
     BID_DIGEST,
+    BID_KEY,
+    BID_SERIAL,
+    BID_WIDTH,
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
-    BID_KEY,
     BLK_LAST_CHILD,
     BLK_NEXT_SIBLING,
     BLK_NUM_CHILDREN,
@@ -30,9 +32,7 @@ from ..core.layout import (
     BLK_PREV_SIBLING,
     BLK_REFS,
     BLK_SCOPE,
-    BID_SERIAL,
     BLK_WIDTH,
-    BID_WIDTH,
     CNT_BLOCK_FREE_TOP,
     CNT_DETACHES,
     CNT_ERROR,
@@ -54,6 +54,7 @@ from ..core.layout import (
     PAGE_BLOCK,
     PAGE_COVERAGE,
     PAGE_LIFE_CYCLE,
+    POLICY_BLOCK_DIGESTS,
     RETIRED_FREED,
     RETIRED_REMOVED,
     RETIRED_REMOVED_FREED,
@@ -340,14 +341,15 @@ def add_or_get(S, parent, toks, start, n, out):
         S.tokens[r, i] = toks[start + i]
     for i in range(n, T):
         S.tokens[r, i] = 0
-    chain_digest(
-        S.block_ids[parent, BID_DIGEST:BID_DIGEST + 4],
-        S.tokens[r],
-        n,
-        S.mm_digests,
-        S.block_ids[r, BID_DIGEST:BID_DIGEST + 4],
-        S.work,
-    )
+    if S.policy[POLICY_BLOCK_DIGESTS] != 0:  # off: the digest stays NULL, nothing reads it
+        chain_digest(
+            S.block_ids[parent, BID_DIGEST:BID_DIGEST + 4],
+            S.tokens[r],
+            n,
+            S.mm_digests,
+            S.block_ids[r, BID_DIGEST:BID_DIGEST + 4],
+            S.work,
+        )
     # NOTE insert before detaching the covered sibling: a root whose only
     # child is that sibling would otherwise be removed in between.
     append_child(S, parent, r)

@@ -35,10 +35,10 @@ from ..core.layout import (
     PAGE_LIFE_CYCLE,
     PAGE_LOCKS,
     PAGE_LRU_LIST,
-    STAMP_LRU_TICK,
     PAGE_POOL_INDEX,
     PAGE_PRIORITY,
     PAGE_STATE,
+    STAMP_LRU_TICK,
 )
 from .link import helper
 from .blocks import page_death

@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.layout import (
+    BID_KEY,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
-    BID_KEY,
     BLK_NUM_TOKENS,
     BLK_PARENT,
     BLK_SCOPE,

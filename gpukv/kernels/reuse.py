@@ -18,12 +18,12 @@ import numpy as np
 
 from ..core.kinds import is_checkpoint
 from ..core.layout import (
+    BID_KEY,
+    BID_SERIAL,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
-    BID_KEY,
     BLK_NUM_TOKENS,
     BLK_PARENT,
-    BID_SERIAL,
     FLAG_ATTACHED,
     NULL,
     RES_BEFORE_HYBRID_PRUNING,

@@ -30,9 +30,9 @@ import functools
 import numpy as np
 
 from ..core.layout import (
+    BID_KEY,
     BLK_FLAGS,
     BLK_HASH_NEXT,
-    BID_KEY,
     BLK_NUM_TOKENS,
     BLK_PARENT,
     FLAG_ATTACHED,

@@ -137,6 +137,7 @@ class SimOptions:
             # Drained every step: the cap only has to hold one step's events.
             max_kv_event_entries=KV_EVENT_QUEUE if self.kv_events else 0,
             event_hash="sha256_64" if self.kv_events else "sha256",
+            block_digests=self.kv_events,  # only events name blocks by digest
         )
 
 

@@ -171,7 +171,8 @@ def gpukv_config(cfg: AdapterConfig, backend: str | None = None):
     """The gpukv ``CacheConfig`` for the adapter: one full-attention life
     cycle, a page per vLLM block (block 0 excepted), stable pages (vLLM's
     worker keeps append-only block tables), index only (the worker owns the
-    KV tensors and runs the page copies), the index sized for the pool."""
+    KV tensors and runs the page copies), the index sized for the pool, no
+    SHA-256 block digests (vLLM's events carry vLLM's own block hashes)."""
     import gpukv
 
     return gpukv.CacheConfig(
@@ -181,6 +182,7 @@ def gpukv_config(cfg: AdapterConfig, backend: str | None = None):
         page_bytes=0,
         enable_partial_reuse=cfg.partial_reuse,
         stable_pages=True,
+        block_digests=False,
         # A full tree holds about a block per page: the index starts at that
         # size, as vLLM's block pool does, and does not double while serving.
         initial_blocks=cfg.num_pages,
