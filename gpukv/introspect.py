@@ -25,7 +25,6 @@ from .core.layout import (
     NUM_HELD,
     NUM_LEVELS,
     NUM_PRIORITIES,
-    BID_DIGEST,
     BID_KEY,
     BID_SERIAL,
     BLK_FIRST_CHILD,
@@ -96,6 +95,7 @@ def tables(mgr) -> dict:
     return {
         "blocks": blocks,
         "block_ids": BLOCK_IDS.view(h(t.block_ids)),
+        "digests": np.array(h(t.digests)),
         "tokens": np.array(h(t.tokens)),
         "slots": slots,
         "block_slots": slots.reshape(blocks.shape[0], len(mgr.config.life_cycles)),
@@ -315,6 +315,7 @@ def check_sanity(mgr):
     toks, slots, pages = t["tokens"], t["slots"], t["pages"]
     raw = mgr._backend.to_host(mgr._tables.blocks)
     ids = mgr._backend.to_host(mgr._tables.block_ids)
+    digs = mgr._backend.to_host(mgr._tables.digests)
     digests = mgr.config.block_digests
     T = mgr.config.tokens_per_block
     L = len(mgr.config.life_cycles)
@@ -355,7 +356,7 @@ def check_sanity(mgr):
             fail(5 if not attached else 2, f"row {r}: attached={attached} but indexed={int(r) in indexed}")
         if flags & FLAG_ROOT:
             scope = _scope_of(tree, raw[r, BLK_SCOPE])
-            if digests and int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]) != hashlib.sha256(scope.to_bytes()).digest():
+            if digests and int64x4_to_digest(digs[r]) != hashlib.sha256(scope.to_bytes()).digest():
                 fail(1, f"root row {r} is not keyed by SHA256 of its scope bytes")
             if raw[r, BLK_NUM_CHILDREN] == 0:
                 fail(1, f"root row {r} has no children outside an operation")
@@ -374,12 +375,10 @@ def check_sanity(mgr):
             fail(2, f"row {r} holds {n} tokens")
         if digests:
             expect = hashlib.sha256(
-                int64x4_to_digest(ids[p, BID_DIGEST:BID_DIGEST + 4]) + _encode(mgr, toks[r, :n])
+                int64x4_to_digest(digs[p]) + _encode(mgr, toks[r, :n])
             ).digest()
-            if int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]) != expect:
+            if int64x4_to_digest(digs[r]) != expect:
                 fail(2, f"row {r}'s key is not SHA256(parent key || tokens)")
-        elif (ids[r, BID_DIGEST:BID_DIGEST + 4] != NULL).any():
-            fail(2, f"row {r} has a digest with block_digests off")
         if n < T and raw[r, BLK_NUM_CHILDREN]:
             fail(3, f"partial row {r} ({n} tokens) has children")
     # Children lists: every attached block is in its parent's list exactly
@@ -429,7 +428,7 @@ def check_sanity(mgr):
             fail(7, f"page {pg} points at ({r}, {lc}) but that slot does not hold it")
         if raw_pages[pg, PAGE_COVERAGE] < 1:
             fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
-    _check_monotone_coverage(mgr, slots, raw, ids, in_use, L)
+    _check_monotone_coverage(mgr, slots, raw, ids, digs, in_use, L)
     _check_pools(mgr, raw_pages, fail)
     _check_eviction_lists(mgr, raw_pages, fail)
 
@@ -515,7 +514,7 @@ def _check_pools(mgr, pages, fail):
                 fail(9, f"life cycle {lc} level {level}: storage slots are not each used or free exactly once")
 
 
-def _check_monotone_coverage(mgr, slots, raw, ids, in_use, L):
+def _check_monotone_coverage(mgr, slots, raw, ids, digs, in_use, L):
     """Invariant 10: while a slot keeps a page, its coverage never decreases.
 
     Remembered across calls by (block key, life cycle) -> (page serial,
@@ -528,7 +527,7 @@ def _check_monotone_coverage(mgr, slots, raw, ids, in_use, L):
     for r in in_use:
         if raw[r, BLK_FLAGS] & FLAG_ROOT or not raw[r, BLK_FLAGS] & FLAG_ATTACHED:
             continue
-        key = int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]) if mgr.config.block_digests else int(ids[r, BID_SERIAL])
+        key = int64x4_to_digest(digs[r]) if mgr.config.block_digests else int(ids[r, BID_SERIAL])
         for lc in range(L):
             pg, cov = slots[slot_row(r, lc, L)]
             if pg == NULL:
@@ -561,6 +560,7 @@ def dump(mgr) -> str:
     (abbreviated) and per-life-cycle ``page:coverage``."""
     raw = mgr._backend.to_host(mgr._tables.blocks)
     ids = mgr._backend.to_host(mgr._tables.block_ids)
+    digs = mgr._backend.to_host(mgr._tables.digests)
     digests = mgr.config.block_digests
     toks = mgr._backend.to_host(mgr._tables.tokens)
     slots = mgr._backend.to_host(mgr._tables.slots)
@@ -584,7 +584,7 @@ def dump(mgr) -> str:
                 else f"{slots[slot_row(r, lc, L), SLOT_PAGE]}:{slots[slot_row(r, lc, L), SLOT_COVERAGE]}"
                 for lc in range(L)
             )
-            key = int64x4_to_digest(ids[r, BID_DIGEST:BID_DIGEST + 4]).hex()[:8] if digests else f"#{ids[r, BID_SERIAL]}"
+            key = int64x4_to_digest(digs[r]).hex()[:8] if digests else f"#{ids[r, BID_SERIAL]}"
             lines.append(f"{'  ' * depth}B{raw[r, BLK_ORDINAL]}/{n} row {r} {key} {shown}{tail} [{pages}]")
             stack.append((raw[r, BLK_FIRST_CHILD], depth + 1))
     return "\n".join(lines) if lines else "(empty tree)"

@@ -30,8 +30,8 @@ import numpy as np
 
 from .core.config import CacheConfig
 from .core.layout import (
-    BLOCK_IDS, BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGE_STAMPS, PAGES, POLICY, ROW_DTYPE,
-    SHA256_WORK_WORDS, SLOTS,
+    BLOCK_IDS, BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGE_STAMPS, PAGES,
+    POLICY, ROW_DTYPE, SHA256_WORK_WORDS, SLOTS,
 )
 from .table_sizes import copy_budget, pow2_at_least, preallocated_sizes
 from .tables import DeviceTables
@@ -64,7 +64,8 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
     256 rows the tables start with when it is None). Per-table sizes:
 
     - per block row ``r``: ``blocks`` (its layout width, int32), ``block_ids``
-      (the 64-bit key, serial and digest), ``tokens``
+      (the 64-bit key and serial), ``digests`` (the 32-byte SHA-256 chain key,
+      none without ``block_digests``), ``tokens``
       (``T`` int32), ``slots`` (one row per life cycle, int32), ``block_free``
       (int64: it also holds a launch's retired rows), and two child-index
       bucket arrays of the power of two at least ``2r`` (int32);
@@ -102,6 +103,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
     tables = {
         "blocks": record(BLOCKS, rows),
         "block_ids": record(BLOCK_IDS, rows),
+        "digests": rows * 4 * INT64 if config.block_digests else 0,
         "tokens": rows * T * INT32,
         "slots": record(SLOTS, rows * L),
         "pages": record(PAGES, P),

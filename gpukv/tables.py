@@ -35,7 +35,6 @@ from .core.layout import (
     NUM_LEVELS,
     NUM_PRIORITIES,
     SHA256_WORK_WORDS,
-    BID_DIGEST,
     BID_KEY,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
@@ -80,7 +79,8 @@ DeviceTables = namedtuple(
     "DeviceTables",
     [
         "blocks",  # int32 [rows, BLOCKS.width]
-        "block_ids",  # int64 [rows, BLOCK_IDS.width]: the blocks' keys, serials, digests
+        "block_ids",  # int64 [rows, BLOCK_IDS.width]: the blocks' keys and serials
+        "digests",  # int64 [rows, 4]: their SHA-256 chain keys ([0, 4] without block_digests)
         "tokens",  # int32 [rows, T]
         "slots",  # int32 [rows * L, SLOTS.width]
         "pages",  # int32 [pages, PAGES.width]
@@ -134,6 +134,7 @@ class Tables:
         self.blocks = xp.full((rows, BLOCKS.width), NULL, dtype=BLOCKS.dtype)
         self.blocks[:, BLK_FLAGS] = 0
         self.block_ids = xp.full((rows, BLOCK_IDS.width), NULL, dtype=BLOCK_IDS.dtype)
+        self.digests = xp.full((self._digest_rows(rows), 4), NULL, dtype=np.int64)
         self.tokens = xp.zeros((rows, T), dtype=np.int32)
         self.slots = xp.zeros((rows * L, SLOTS.width), dtype=np.int32)
         self.slots[:, 0] = NULL
@@ -282,6 +283,8 @@ class Tables:
         blocks[old:, BLK_FLAGS] = 0
         block_ids = xp.full((new, BLOCK_IDS.width), NULL, dtype=BLOCK_IDS.dtype)
         block_ids[:old] = self.block_ids
+        digests = xp.full((self._digest_rows(new), 4), NULL, dtype=np.int64)
+        digests[:self.digests.shape[0]] = self.digests
         tokens = xp.zeros((new, self.tokens_per_block), dtype=np.int32)
         tokens[:old] = self.tokens
         slots = xp.zeros((new * L, SLOTS.width), dtype=np.int32)
@@ -295,10 +298,15 @@ class Tables:
         retired = int(self.counters_host()[CNT_RETIRED])
         if retired:
             block_free[new - retired:] = self.block_free[old - retired:]
-        self.blocks, self.block_ids, self.tokens, self.slots = blocks, block_ids, tokens, slots
+        self.blocks, self.block_ids, self.digests, self.tokens, self.slots = blocks, block_ids, digests, tokens, slots
         self.block_free = block_free
         self.counters[CNT_BLOCK_FREE_TOP] = free + extra
         self._rebuild_index(pow2_at_least(2 * new))
+
+    def _digest_rows(self, rows: int) -> int:
+        """Rows of the digest table: one per block row, or none when the
+        tree keeps no digests (the kernels then never touch it)."""
+        return rows if self.config.block_digests else 0
 
     def _rebuild_index(self, num_buckets: int):
         """Re-chain every indexed row into new buckets: attached blocks and roots
@@ -475,7 +483,7 @@ class Tables:
     def digests_of(self, rows: np.ndarray) -> np.ndarray:
         """The chain digests ([n, 4] int64) of block rows, a host copy: read
         for retired rows before they are returned (nothing reused them yet)."""
-        d = self.backend.to_host(self.block_ids[self.backend.to_device(rows), BID_DIGEST:BID_DIGEST + 4])
+        d = self.backend.to_host(self.digests[self.backend.to_device(rows)])
         return np.array(d).reshape(len(rows), 4)
 
     def return_rows(self, rows: np.ndarray) -> None:

@@ -31,7 +31,6 @@ from .kernels.tree import (
     build_tree_kernel,
 )
 from .core.layout import (
-    BID_DIGEST,
     BID_SERIAL,
     BLK_SCOPE,
     BLK_FLAGS,
@@ -176,7 +175,7 @@ class BlockTree:
     def key_of(self, r: int) -> bytes:
         if not self.tables.config.block_digests:  # the serial tells a block from a later one in its row
             return int(self.backend.to_host(self.tables.block_ids[r, BID_SERIAL])).to_bytes(8, "little", signed=True)
-        return int64x4_to_digest(self.backend.to_host(self.tables.block_ids[r, BID_DIGEST:BID_DIGEST + 4]))
+        return int64x4_to_digest(self.backend.to_host(self.tables.digests[r]))
 
     def resolve(self, ref: BlockRef, what: str = "block") -> int:
         if not isinstance(ref, BlockRef):

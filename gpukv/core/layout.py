@@ -78,14 +78,16 @@ BLOCKS = Layout(
     ],
 )
 # The 64-bit fields of each block row, beside BLOCKS (same row numbers): what
-# names a block. Kept apart so every other field is 32 bits wide.
+# names a block. Kept apart so every other field is 32 bits wide. The
+# reference SHA-256 chain key of each row, when the tree keeps one
+# (``CacheConfig.block_digests``), is a table of its own too (``digests``,
+# 4 int64 per row, 32 bytes in memory order).
 BLOCK_IDS = Layout(
     "block_ids",
     np.int64,
     [
         ("key", 1),  # fast 64-bit chain key: mix(parent key, content hash)
         ("serial", 1),  # creation order: siblings' insertion order
-        ("digest", 4),  # the reference SHA-256 chain key, 32 bytes in memory order
     ],
 )
 FLAG_IN_USE = 1  # the row holds a block (attached or orphan)
@@ -425,7 +427,6 @@ BLK_REFS = 12
 
 BID_KEY = 0
 BID_SERIAL = 1
-BID_DIGEST = 2
 
 SLOT_PAGE = 0
 SLOT_COVERAGE = 1

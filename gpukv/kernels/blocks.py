@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from ..core.kinds import death_removes_subtree
 from ..core.layout import (
-    BID_DIGEST,
     BID_KEY,
     BID_SERIAL,
     BID_WIDTH,
@@ -92,6 +91,9 @@ def alloc_block(S):
         S.blocks[r, c] = NULL
     for c in range(BID_WIDTH):
         S.block_ids[r, c] = NULL
+    if S.policy[POLICY_BLOCK_DIGESTS] != 0:
+        for w in range(4):
+            S.digests[r, w] = NULL
     S.blocks[r, BLK_NUM_CHILDREN] = 0
     S.blocks[r, BLK_NUM_TOKENS] = 0
     S.blocks[r, BLK_FLAGS] = FLAG_IN_USE
@@ -270,8 +272,9 @@ def get_or_create_root(S, scope_id, scope_key, scope_digest):
     S.block_ids[r, BID_KEY] = scope_key
     S.blocks[r, BLK_SCOPE] = scope_id
     S.blocks[r, BLK_FLAGS] = FLAG_IN_USE | FLAG_ATTACHED | FLAG_ROOT
-    for w in range(4):
-        S.block_ids[r, BID_DIGEST + w] = scope_digest[w]
+    if S.policy[POLICY_BLOCK_DIGESTS] != 0:
+        for w in range(4):
+            S.digests[r, w] = scope_digest[w]
     index_insert(S, r)
     return r
 
@@ -341,15 +344,8 @@ def add_or_get(S, parent, toks, start, n, out):
         S.tokens[r, i] = toks[start + i]
     for i in range(n, T):
         S.tokens[r, i] = 0
-    if S.policy[POLICY_BLOCK_DIGESTS] != 0:  # off: the digest stays NULL, nothing reads it
-        chain_digest(
-            S.block_ids[parent, BID_DIGEST:BID_DIGEST + 4],
-            S.tokens[r],
-            n,
-            S.mm_digests,
-            S.block_ids[r, BID_DIGEST:BID_DIGEST + 4],
-            S.work,
-        )
+    if S.policy[POLICY_BLOCK_DIGESTS] != 0:  # off: there is no digest table
+        chain_digest(S.digests[parent], S.tokens[r], n, S.mm_digests, S.digests[r], S.work)
     # NOTE insert before detaching the covered sibling: a root whose only
     # child is that sibling would otherwise be removed in between.
     append_child(S, parent, r)

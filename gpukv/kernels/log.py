@@ -9,7 +9,6 @@ events and for tests.
 from __future__ import annotations
 
 from ..core.layout import (
-    BID_DIGEST,
     BLK_NUM_TOKENS,
     BLK_PARENT,
     CNT_ERROR,
@@ -31,6 +30,7 @@ from ..core.layout import (
     NULL,
     PAGE_LEVEL,
     PAGE_PRIORITY,
+    POLICY_BLOCK_DIGESTS,
 )
 from .link import helper
 from .index import is_root
@@ -49,8 +49,9 @@ def log(S, kind, r, lc):
     S.log[n, LOG_KIND] = kind
     S.log[n, LOG_LIFE_CYCLE] = lc
     S.log[n, LOG_BLOCK] = r
-    for w in range(4):
-        S.log[n, LOG_DIGEST + w] = S.block_ids[r, BID_DIGEST + w]
+    if S.policy[POLICY_BLOCK_DIGESTS] != 0:  # else the record's digest stays 0: no events read it
+        for w in range(4):
+            S.log[n, LOG_DIGEST + w] = S.digests[r, w]
     S.counters[CNT_LOG_LEN] = n + 1
     return n
 
@@ -65,9 +66,9 @@ def announce(S, r, kind, lc):
     if n == NULL:
         return
     parent = S.blocks[r, BLK_PARENT]
-    if parent != NULL:
+    if parent != NULL and S.policy[POLICY_BLOCK_DIGESTS] != 0:
         for w in range(4):
-            S.log[n, LOG_PARENT_DIGEST + w] = S.block_ids[parent, BID_DIGEST + w]
+            S.log[n, LOG_PARENT_DIGEST + w] = S.digests[parent, w]
     S.log[n, LOG_PARENT_IS_ROOT] = 1 if parent == NULL or is_root(S, parent) else 0
     nt = S.blocks[r, BLK_NUM_TOKENS]
     S.log[n, LOG_NUM_TOKENS] = nt

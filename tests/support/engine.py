@@ -343,7 +343,7 @@ class Engine:
         (digest) tokens are skipped."""
         T = self.T
         t = introspect.tables(self.mgr)
-        blocks, ids, toks, slots, pages = t["blocks"], t["block_ids"], t["tokens"], t["block_slots"], t["pages"]
+        blocks, digs, toks, slots, pages = t["blocks"], t["digests"], t["tokens"], t["block_slots"], t["pages"]
         L = len(self.specs)
         flags = blocks["flags"]
         rows = attached_rows(blocks)
@@ -364,7 +364,7 @@ class Engine:
             block_tokens = [int(x) for x in toks[r, :n]]
             if min(block_tokens) < 0:
                 continue  # a multimodal digest token: its bytes are not in the tables
-            key = _key(ids, r)
+            key = _key(digs, r)
             ds, d = [], d0
             for tok in block_tokens:
                 d = _extend(d, tok)
@@ -409,9 +409,9 @@ def attached_rows(blocks) -> np.ndarray:
     return np.nonzero(attached & ((flags & FLAG_ROOT) == 0))[0]
 
 
-def _key(block_ids, row) -> bytes:
-    """A block's SHA-256 chain key (the reference identity) from its ``block_ids`` row."""
-    return np.ascontiguousarray(block_ids["digest"][row]).astype("<i8").tobytes()
+def _key(digests, row) -> bytes:
+    """A block's SHA-256 chain key (the reference identity) from its ``digests`` row."""
+    return np.ascontiguousarray(digests[row]).astype("<i8").tobytes()
 
 
 def chain_rows(mgr, tokens, scope=None) -> list:
@@ -421,7 +421,7 @@ def chain_rows(mgr, tokens, scope=None) -> list:
     import gpukv  # noqa: PLC0415
 
     t = introspect.tables(mgr)
-    by_key = {_key(t["block_ids"], r): int(r) for r in attached_rows(t["blocks"])}
+    by_key = {_key(t["digests"], r): int(r) for r in attached_rows(t["blocks"])}
     out = []
     for i, (_, key) in enumerate(gpukv.sequence_to_blockchain_keys(mgr.tokens_per_block, scope, list(tokens))):
         if i == 0:
@@ -444,10 +444,10 @@ def chain_covs(mgr, tokens, scope=None) -> list:
 def attached_blocks(mgr) -> dict:
     """``{key: (tokens, coverage per life cycle)}`` for every attached non-root block."""
     t = introspect.tables(mgr)
-    blocks, ids, toks, slots = t["blocks"], t["block_ids"], t["tokens"], t["block_slots"]
+    blocks, digs, toks, slots = t["blocks"], t["digests"], t["tokens"], t["block_slots"]
     out = {}
     for r in attached_rows(blocks):
-        key = _key(ids, r)
+        key = _key(digs, r)
         n = int(blocks["num_tokens"][r])
         out[key] = (tuple(int(x) for x in toks[r, :n]), tuple(int(c) for c in slots["coverage"][r]))
     return out

@@ -83,7 +83,7 @@ def tree_blocks(mgr) -> dict:
     live = (flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)
 
     def key(r):
-        return np.ascontiguousarray(t["block_ids"]["digest"][r]).astype("<i8").tobytes()
+        return np.ascontiguousarray(t["digests"][r]).astype("<i8").tobytes()
 
     digests: dict[int, str] = {}
 

@@ -68,13 +68,13 @@ class Pair:
     # -- the two states, in one comparable shape ---------------------------------
     def gpukv_blocks(self) -> dict:
         t = introspect.tables(self.mgr)
-        blocks, ids, slots, toks = t["blocks"], t["block_ids"], t["block_slots"], t["tokens"]
+        blocks, digs, slots, toks = t["blocks"], t["digests"], t["block_slots"], t["tokens"]
         out = {}
         rows = np.nonzero((blocks["flags"] & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED))[0]
         for r in rows:
             if blocks["flags"][r] & FLAG_ROOT:
                 continue
-            key = int64x4_to_digest(ids["digest"][r])
+            key = int64x4_to_digest(digs[r])
             cov = tuple(int(c) for c in slots["coverage"][r])
             out[key] = (int(r), tuple(int(x) for x in toks[r, : blocks["num_tokens"][r]]), cov)
         return out
