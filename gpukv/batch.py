@@ -548,15 +548,21 @@ class CacheCalls:
         n = len(callbacks)
         if not n:
             return []
-        matched = nblocks = np.zeros(n, dtype=np.int64)
+        matched = nblocks = rows = np.zeros(n, dtype=np.int64)
         if tokens is not None:
             m = self.matcher.match(tokens, match_scopes).to_host()
             matched = np.asarray(m.num_tokens, dtype=np.int64)
             nblocks = np.diff(np.asarray(m.block_offsets, dtype=np.int64))
+            # Segments with room for the whole input and the token after it,
+            # not only the blocks it reuses (which reuse setup writes): the
+            # caller goes on to commit the rest, chunk by chunk, and a
+            # segment sized for it then never grows (each growth fills its
+            # new rows, and one not at the pool's top moves).
+            lengths = tokens.lengths()
+            rows = with_room(np.maximum(nblocks, (lengths + self.T) // self.T))
         taken = []
         try:
-            # Segments with room for the matched blocks, which reuse setup writes.
-            slots = self._new_caches(scope_list, nblocks, callbacks, made, taken)
+            slots = self._new_caches(scope_list, rows, callbacks, made, taken)
             go = np.flatnonzero(matched > 0)
             if go.size:
                 flat, offsets = tokens.arrays()
@@ -575,7 +581,7 @@ class CacheCalls:
                                          tokens=flat, tokens_off=_offsets(matched[go]), path=path,
                                          path_off=_offsets(nblocks[go]))
             if tokens is not None:
-                self._record_lookups(tokens.lengths(), matched)
+                self._record_lookups(lengths, matched)
             return made
         except BaseException:
             self._undo_create(made, taken)
