@@ -140,7 +140,17 @@ class CachePool:
         self._no_path = xp.zeros(0, dtype=np.int64)
         self._no_args = xp.zeros(SEQ_ARGS_WIDTH, dtype=np.int64)  # a view's: the arguments of no call
         self._grow_slots(16)
-        self._pack(64)
+        # An engine that sized the index for its steady state (about a block
+        # row per page: ``initial_blocks``) gets the caches' block rows for it
+        # too, twice over, written once here: serving then packs no segments
+        # into ever larger arrays (each pack copies every live row into
+        # memory touched for the first time).
+        start = config.initial_blocks
+        self._pack(64 if start is None else start)
+        if start is not None:
+            for name in _BLOCK_FILL:
+                getattr(self.arrays, name).fill(0)
+            self.arrays.tokens.fill(0)
 
     # -- slots --------------------------------------------------------------------------
     @property

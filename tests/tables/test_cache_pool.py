@@ -1,6 +1,7 @@
 """How a cache's rows grow in the manager's cache pool (``CachePool``).
 
-A cache owns a segment of the pool's block rows. A segment that must grow
+A cache owns a segment of the pool's block rows, sized at creation for
+the input it was created for. A segment that must grow
 takes half as much room again as asked, so a cache sized to its prompt
 decodes for a while without moving; the segment at the top of the pool grows
 where it is; any other moves to the top, its rows copied along. Whatever
@@ -71,6 +72,45 @@ def test_the_last_segment_grows_in_place(backend):
     base, rows = introspect.cache_segment(kv)
     assert len(seen) == 1 and rows >= 64
     assert kv.committed_tokens.tolist() == tokens
+    introspect.check_sanity(mgr)
+
+
+def test_a_cache_created_for_its_input_prefills_it_in_chunks_without_growing(backend):
+    """Its segment is sized for the whole input at creation, not for the
+    blocks it reuses: interleaved chunked prefills move nothing."""
+    mgr = manager(backend)
+    shared = list(range(1, 1 + 8 * T))
+    prefill(mgr.create_kv_cache(), shared)  # a prefix the others reuse
+    prompts = [shared + list(range(100 * i, 100 * i + 40 * T)) for i in (1, 2)]
+    kvs = [mgr.create_kv_cache(input_tokens=p[:-1]) for p in prompts]
+    assert [kv.num_committed_tokens for kv in kvs] == [8 * T, 8 * T]
+    segments = [introspect.cache_segment(kv) for kv in kvs]
+    assert all(rows >= len(p) // T + 1 for (_, rows), p in zip(segments, prompts))
+    for kv in kvs:
+        assert kv.resume()
+    for n0 in range(8 * T, len(prompts[0]), 4 * T):  # the two prompts' chunks alternate: neither segment is last for long
+        for kv, p in zip(kvs, prompts):
+            n1 = min(n0 + 4 * T, len(p))
+            assert kv.resize(n1, n0)
+            kv.commit(p[n0:n1])
+    assert [introspect.cache_segment(kv) for kv in kvs] == segments
+    assert [kv.committed_tokens.tolist() for kv in kvs] == prompts
+    introspect.check_sanity(mgr)
+
+
+def test_initial_blocks_gives_the_pool_its_rows_from_the_start(backend):
+    """An index started at its steady state starts the caches' rows there
+    too: filling it with caches replaces no pool array."""
+    mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=256, initial_blocks=256)
+    assert introspect.cache_pool_rows(mgr) >= 2 * 256
+    tokens_array = mgr._calls.pool.arrays.tokens
+    kvs = []
+    for i in range(16):  # 16 caches of 12 blocks each: 192 of the 256 pages
+        kv = mgr.create_kv_cache(input_tokens=list(range(1000 * i + 1, 1000 * i + 1 + 12 * T)))
+        prefill(kv, list(range(1000 * i + 1, 1000 * i + 1 + 12 * T)))
+        kvs.append(kv)
+    assert mgr._calls.pool.arrays.tokens is tokens_array
+    assert all(kv.committed_tokens.tolist() == list(range(1000 * i + 1, 1000 * i + 1 + 12 * T)) for i, kv in enumerate(kvs))
     introspect.check_sanity(mgr)
 
 
