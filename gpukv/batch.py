@@ -910,7 +910,7 @@ class CacheCalls:
         already), the kernel, the caches' scalars back."""
         pool = self.pool
         tables = self.tables
-        tables.ensure_log(blocks, announced)
+        tables.ensure_log(blocks, announced, settled=not self.launcher.pending)
         open_caches = self.open_caches
 
         def results():  # idempotent: run again when the aftermath is resumed

@@ -410,7 +410,7 @@ class Tables:
         if table is not self.log_tokens:  # a store would make the kernels' table tuple anew
             self.log_tokens = table
 
-    def ensure_log(self, blocks: int, announced: int = 0):
+    def ensure_log(self, blocks: int, announced: int = 0, settled: bool = False):
         """Room in the change log, and in ``log_tokens``, for one launch of an
         operation on up to ``blocks`` blocks (those it may create, and per
         life cycle the pages it may allocate, release or move, with their
@@ -428,17 +428,24 @@ class Tables:
         Within the budget the log grows on demand; a launch that alone needs
         more (one cache's call over more blocks than the budget covers) gets
         it for that launch, and the next launch that needs less than the
-        budget gives it back."""
-        counters = self.counters_host()
-        kept = int(counters[CNT_LOG_LEN])
-        self.ensure_log_tokens(announced, int(counters[CNT_LOG_TOKENS_LEN]))
+        budget gives it back.
+
+        ``settled``: the last launch's aftermath is complete, so it left no
+        record, token row or copy behind (its counters were reset) and the
+        counters need no read (on ``cuda``, a transfer)."""
+        if settled:
+            kept = kept_tokens = copies = 0
+        else:
+            counters = self.counters_host()
+            kept, kept_tokens = int(counters[CNT_LOG_LEN]), int(counters[CNT_LOG_TOKENS_LEN])
+            copies = int(counters[CNT_NUM_COPIES])
+        self.ensure_log_tokens(announced, kept_tokens)
         rows = kept + log_rows_for(blocks, announced, self.num_life_cycles)
         table = self._sized(self.log, rows, kept, self.log_budget[0], np.int64)
         if table is not self.log:
             self.log = table
         # The copy list: counted from 0 at the kernel (a pending launch's
         # copies are carried out first), never more than the pool's bound.
-        copies = int(counters[CNT_NUM_COPIES])
         need = max(copies, min(copy_rows_for(blocks, self.num_life_cycles), 3 * self.num_pages + COPY_SLACK))
         table = self._sized(self.copies, need, copies, self.copy_budget, COPIES.dtype, zero=True, fixed=True)
         if table is not self.copies:

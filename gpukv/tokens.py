@@ -218,7 +218,9 @@ def _from_ndarray(a: np.ndarray, request) -> np.ndarray:
     if a.dtype.kind not in "iu":
         raise TypeError(f"{_where(request)}tokens must be integers, got dtype {a.dtype}")
     if a.size:
-        lo, hi = int(a.min()), int(a.max())
+        # No signed int of 32 bits or fewer passes MAX_TOKEN_ID: for those only the sign is read.
+        lo = int(a.min())
+        hi = int(a.max()) if a.dtype.itemsize > 4 or a.dtype.kind == "u" else lo
         if lo < 0 or hi > MAX_TOKEN_ID:
             bad = int(np.argmax((a < 0) | (a > MAX_TOKEN_ID)))
             raise token_error(request, bad, int(a[bad]))
