@@ -68,6 +68,7 @@ from .core.layout import (
     LOG_KIND,
     LOG_LIFE_CYCLE,
     NULL,
+    POLICY_LOG_RECORDS,
     RETIRED_FREED,
     RETIRED_REMOVED,
     RETIRED_ROOT_REMOVED,
@@ -233,7 +234,8 @@ class Launcher:
         self.backend = tables.backend
         self.copier = copier
         self.events = events
-        self.log_sink: list | None = None
+        self._log_sink: list | None = None
+        self._read_by_events_or_sink()
         self.guard = CallGuard(self)
         self.pending = False  # a launch whose aftermath is not finished
         self.launches = 0  # kernels run that may have changed the tables (host copies key on it)
@@ -248,6 +250,21 @@ class Launcher:
         # records start in the log sink: read once, kept until the aftermath is done.
         self._drained = None
         self._log_counters = tables.backend.to_device(np.array([CNT_LOG_LEN, CNT_LOG_TOKENS_LEN]))
+
+    @property
+    def log_sink(self) -> list | None:
+        return self._log_sink
+
+    @log_sink.setter
+    def log_sink(self, sink: list | None) -> None:
+        self._log_sink = sink
+        self._read_by_events_or_sink()
+
+    def _read_by_events_or_sink(self) -> None:
+        """The kernels write change-log records only while someone reads
+        them: the event manager, or a test's sink."""
+        wanted = self.events is not None or self._log_sink is not None
+        self.tables.policy[POLICY_LOG_RECORDS] = int(wanted)
 
     def launch(self, kernel, *args, results=None) -> None:
         """``kernel(tables, *args)``, then its aftermath (the kernels find

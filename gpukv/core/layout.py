@@ -223,6 +223,7 @@ POLICY = Layout(
         ("scratch_rewind", 1),  # swa_scratch_reuse.max_rewind_len, -1 when off
         ("stable_pages", 1),  # 1: a cache's pages stay its own until it closes (no rebase)
         ("block_digests", 1),  # 1: a created block gets its SHA-256 chain digest
+        ("log_records", 1),  # 1: someone reads the change log (events, a test's sink); 0: no record is written
     ],
 )
 
@@ -482,6 +483,7 @@ POLICY_COMMIT_MIN_SNAPSHOT = 0
 POLICY_SCRATCH_REWIND = 1
 POLICY_STABLE_PAGES = 2
 POLICY_BLOCK_DIGESTS = 3
+POLICY_LOG_RECORDS = 4
 
 COPY_LIFE_CYCLE = 0
 COPY_SRC_LEVEL = 1

@@ -31,6 +31,7 @@ from ..core.layout import (
     PAGE_LEVEL,
     PAGE_PRIORITY,
     POLICY_BLOCK_DIGESTS,
+    POLICY_LOG_RECORDS,
 )
 from .link import helper
 from .index import is_root
@@ -39,7 +40,10 @@ from .pages import coverage, page_of
 
 @helper
 def log(S, kind, r, lc):
-    """Append a change-log record; returns its index, or NULL when full."""
+    """Append a change-log record; returns its index, or NULL when full or
+    when nobody reads the log (then no record is written at all)."""
+    if S.policy[POLICY_LOG_RECORDS] == 0:
+        return NULL
     n = S.counters[CNT_LOG_LEN]
     if n >= S.log.shape[0]:
         S.counters[CNT_ERROR] = ERR_LOG_FULL

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 
 import gpukv
 from gpukv import introspect, table_sizes
-from gpukv.core.layout import CNT_BLOCK_FREE_TOP, EV_REMOVED, EV_ROOT_REMOVED, LOG_KIND
+from gpukv.core.layout import CNT_BLOCK_FREE_TOP, EV_CREATED, EV_REMOVED, EV_ROOT_REMOVED, LOG_KIND
 
 from tests.support.backends import make_manager
 from tests.support.batch_lockstep import BatchLockstep
@@ -288,3 +288,30 @@ def test_an_interrupted_drain_of_retired_rows_is_finished_once(where):
         assert t.counters_host()[CNT_BLOCK_FREE_TOP] == t.num_rows  # every row back on the stack, once
         assert sorted(t.block_free.tolist()) == list(range(t.num_rows))
     assert fired >= (2 if where == "digests_of" else 4)  # digests_of is two lines
+
+
+def test_records_are_written_only_while_someone_reads_them(backend):
+    """Without events and without a sink the kernels write no change-log
+    record (the log is left as it was); a sink started later gets the
+    records from then on, and none once it is dropped."""
+    mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=16)
+    first = mgr.create_kv_cache()  # sizes the log for such a call
+    assert first.resume() and first.resize(3 * T)
+    first.commit(list(range(50, 50 + 3 * T)))
+    first.close()
+    mgr._tables.log[:] = -7
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(3 * T)
+    kv.commit(list(range(1, 1 + 3 * T)))
+    assert (mgr._backend.to_host(mgr._tables.log) == -7).all()
+    sink = introspect.record_log(mgr)
+    other = mgr.create_kv_cache()
+    assert other.resume() and other.resize(2 * T)
+    other.commit(list(range(100, 100 + 2 * T)))
+    assert [int(r[LOG_KIND]) for r in sink].count(EV_CREATED) == 2  # the second cache's two blocks
+    mgr._tree.log_sink = None
+    seen = len(sink)
+    kv.close()
+    other.close()
+    assert len(sink) == seen
+    introspect.check_sanity(mgr)
