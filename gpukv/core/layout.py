@@ -607,7 +607,8 @@ def _check_columns(layout: Layout, prefix: str):
 
 
 for _layout, _prefix in (
-    (BLOCKS, "BLK"), (BLOCK_IDS, "BID"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (PAGE_STAMPS, "STAMP"), (LOG, "LOG"), (COUNTERS, "CNT"), (POLICY, "POLICY"),
+    (BLOCKS, "BLK"), (BLOCK_IDS, "BID"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (PAGE_STAMPS, "STAMP"), (LOG, "LOG"),
+    (COUNTERS, "CNT"), (POLICY, "POLICY"),
     (COPIES, "COPY"), (LRU_LISTS, "LRU"), (LRU_GROUPS, "LG"), (SEQ_SCALARS, "Q"), (MATCH_RESULT, "RES"),
     (LANE, "LN"), (ADD_ARGS, "ADD"), (INSERT_ARGS, "INSERT"), (ADD_PAGE_ARGS, "ADD_PAGE"), (UNLINK_ARGS, "UNLINK"),
     (PAGE_ARGS, "PAGE_ARG"), (DROP_ARGS, "DROP"), (BLOCK_ARGS, "BLOCK_ARG"), (ANNOUNCE_ARGS, "ANNOUNCE"), (EVICT_ARGS, "EVICT"),
