@@ -80,8 +80,11 @@ from .tree import BlockRef
 def tables(mgr) -> dict:
     """The device tables as NumPy structured arrays with named fields.
 
-    ``blocks``, ``slots`` (row = block * num_life_cycles + life cycle),
-    ``pages`` and ``log``; ``tokens`` is the plain [rows, T] token array.
+    ``blocks`` with ``block_ids`` (the same rows: key, serial), ``slots``
+    (row = block * num_life_cycles + life cycle), ``pages`` with
+    ``page_stamps`` (the same rows: LRU tick, serial) and ``log``;
+    ``tokens`` is the plain [rows, T] token array and ``digests`` the plain
+    [rows, 4] int64 SHA-256 chain keys ([0, 4] with ``block_digests`` off).
     ``block_slots`` is ``slots`` shaped [block rows, life cycles], so
     ``block_slots[r, lc]["coverage"]`` is ``cov(block r, lc)``.
     ``lru_lists`` are the eviction candidates' lists, row ``lru_list_row(lc,

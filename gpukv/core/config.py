@@ -135,8 +135,8 @@ class CacheConfig:
     # Compute each block's SHA-256 chain digest as the block is created. KV
     # cache events and the tree's block handles name blocks by it; matching
     # and reuse do not read it (they key on a 64-bit chain key and compare
-    # tokens). Off, a commit skips the hashing, about half of its device
-    # time per block; events need it on.
+    # tokens). Off, a commit skips the hashing, a third to a half of its
+    # device time per block; events need it on.
     block_digests: bool = True
     # Without max_blocks: block rows to start with (rounded up to a power of
     # two), still growing by doubling past them. An engine that knows its
