@@ -148,9 +148,7 @@ class CachePool:
         start = config.initial_blocks
         self._pack(64 if start is None else start)
         if start is not None:
-            for name in _BLOCK_FILL:
-                getattr(self.arrays, name).fill(0)
-            self.arrays.tokens.fill(0)
+            self._fill_span(self.arrays, 0, self.num_rows)
 
     # -- slots --------------------------------------------------------------------------
     @property

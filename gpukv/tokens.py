@@ -193,9 +193,7 @@ def check_flat(flat, offsets, xp, tokens: bool = True) -> tuple:
         i = int(xp.argmax(steps < 0))
         raise ValueError(f"request {i}: offsets must be non-decreasing ({int(offsets[i])} > {int(offsets[i + 1])})")
     if flat.size and (tokens or flat.dtype != np.int32):
-        # No signed int of 32 bits or fewer passes MAX_TOKEN_ID (2**31 - 1): for those only the sign is read.
-        lo = int(flat.min())
-        hi = int(flat.max()) if flat.dtype.itemsize > 4 or flat.dtype.kind == "u" else lo
+        lo, hi = _token_range(flat)
         if lo < 0 or hi > MAX_TOKEN_ID:
             bad = int(xp.argmax((flat < 0) | (flat > MAX_TOKEN_ID)))
             i = int(np.searchsorted(_host(offsets), bad, side="right") - 1)
@@ -208,6 +206,16 @@ def token_error(request: int | None, position: int, token: int) -> TokenError:
     return TokenError(f"{_where(request)}token {token} at position {position} is outside 0..{MAX_TOKEN_ID}")
 
 
+def _token_range(a) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty int token array, as far as the id range
+    needs them: no signed int of 32 bits or fewer passes MAX_TOKEN_ID
+    (2**31 - 1), so for those only the sign is read (the min stands in for
+    the max)."""
+    lo = int(a.min())
+    hi = int(a.max()) if a.dtype.itemsize > 4 or a.dtype.kind == "u" else lo
+    return lo, hi
+
+
 def _host(a):
     return a if isinstance(a, np.ndarray) else a.get()
 
@@ -218,9 +226,7 @@ def _from_ndarray(a: np.ndarray, request) -> np.ndarray:
     if a.dtype.kind not in "iu":
         raise TypeError(f"{_where(request)}tokens must be integers, got dtype {a.dtype}")
     if a.size:
-        # No signed int of 32 bits or fewer passes MAX_TOKEN_ID: for those only the sign is read.
-        lo = int(a.min())
-        hi = int(a.max()) if a.dtype.itemsize > 4 or a.dtype.kind == "u" else lo
+        lo, hi = _token_range(a)
         if lo < 0 or hi > MAX_TOKEN_ID:
             bad = int(np.argmax((a < 0) | (a > MAX_TOKEN_ID)))
             raise token_error(request, bad, int(a[bad]))
