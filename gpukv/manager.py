@@ -2,6 +2,11 @@
 
 It validates input, owns the device tables, the tree and the token arena, and
 answers reuse queries for whole batches with one kernel launch per stage.
+
+About 500 lines because it is the whole public surface of one class: each
+method is a short validated entry into the parts below (``batch``,
+``matching``, ``page_reads``, ``tree``) with its docstring, which is the
+API reference; the work itself lives in those modules.
 """
 
 from __future__ import annotations

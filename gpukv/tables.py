@@ -15,6 +15,11 @@ slot. Each life cycle owns a contiguous stretch of page rows (as many as its
 pools have slots together) with a free-row stack; each pool has a stack of free
 storage indices. The eviction controller's lists of candidates live here too
 (their links are columns of the page rows); only the kernels change them.
+
+Just over 500 lines because one class owns every array and so every rule
+that replaces one (allocation, doubling, the log's and copy list's sizing,
+the interned multimodal digests): the kernels' table tuple is rebuilt in
+one place when any of them changes (``device``).
 """
 
 from __future__ import annotations
