@@ -6,9 +6,12 @@ block row for each table and in all:
 
 * ``preallocated``: ``CacheConfig(max_blocks=2**17)`` with as many pages per
   life cycle, T = 32, one full-attention life cycle: every table allocated
-  at start-up, for the manager's life;
+  at start-up, for the manager's life (no KV cache events: the change log,
+  which nobody reads, at its least);
+* ``events``: ``preallocated`` publishing KV cache events
+  (``max_kv_event_entries``): the change log at its budget;
 * ``no-digests``: ``preallocated`` with ``block_digests=False`` (an engine
-  that publishes no KV cache events: the vLLM adapter);
+  that reads no gpukv events: the vLLM adapter);
 * ``hybrid``: the same with a sliding-window and an SSM life cycle beside it
   (what a hybrid model adds: a slot row per block and life cycle, and each
   pool's pages);
@@ -32,6 +35,7 @@ GROUP = pytest.mark.benchmark(group="index memory")
 
 CONFIGS = {
     "preallocated": dict(layers=[Attention()], pages_per_life_cycle=ROWS),
+    "events": dict(layers=[Attention()], pages_per_life_cycle=ROWS, max_kv_event_entries=1 << 16),
     "no-digests": dict(layers=[Attention()], pages_per_life_cycle=ROWS, block_digests=False),
     "hybrid": dict(layers=[Attention(), Attention(window=4096), Ssm()], pages_per_life_cycle=[ROWS, ROWS // 8, ROWS // 64],
                    commit_min_snapshot=True),

@@ -837,8 +837,10 @@ class CacheCalls:
         ``call_room.log_blocks`` counts them).
 
         A batch whose change log would not fit the budget
-        (``table_sizes.CHANGE_LOG_BUDGET``) runs as consecutive launches over
-        consecutive caches, each within it: the kernel runs the calls in
+        (``table_sizes.CHANGE_LOG_BUDGET``; only while someone reads the
+        records, ``Tables.read_log_records``), or whose page copies would not
+        fit the copy list, runs as consecutive launches over consecutive
+        caches, each within it: the kernel runs the calls in
         order, so the tables, the events and the results are those of one
         launch. A single cache beyond the budget gets its own launch, with a
         log sized for it."""
@@ -860,9 +862,11 @@ class CacheCalls:
         else:
             total, total_announced = totals
         if n > 1:
-            log_rows, token_rows = tables.log_budget
-            copy_rows = tables.copy_room  # None: the list holds any launch's copies
-            if (total_announced > token_rows or log_rows_for(total, total_announced, self.L) > log_rows
+            # None: no limit (an unread log takes no records; the copy list holds any launch's copies).
+            log_rows, token_rows = tables.log_budget if tables.log_read else (None, None)
+            copy_rows = tables.copy_room
+            if ((log_rows is not None and (total_announced > token_rows
+                                           or log_rows_for(total, total_announced, self.L) > log_rows))
                     or (copy_rows is not None and copy_rows_for(total, self.L) > copy_rows)):
                 if blocks is None:
                     blocks = log_blocks(span, pool.scratch_width, allocated)
@@ -881,7 +885,7 @@ class CacheCalls:
                 return
         self._launch_part(slots, op, args, total, total_announced, tokens, tokens_off, path, path_off, closing, work)
 
-    def _split_points(self, blocks, announced, log_rows: int, token_rows: int, copy_rows) -> np.ndarray:
+    def _split_points(self, blocks, announced, log_rows, token_rows, copy_rows) -> np.ndarray:
         """Where consecutive launches over the caches start (and the last
         ends): as many caches each as fit ``log_rows`` change-log rows,
         ``token_rows`` token rows and ``copy_rows`` page copies (None: any
@@ -889,10 +893,11 @@ class CacheCalls:
         cache, their constants once per launch)."""
         per_block = log_rows_per_block(self.L)
         per_copy = copy_rows_per_block(self.L)
-        limits = [  # (cumulative cost per cache, room per launch)
-            (_offsets(per_block * blocks + (self.L + 1) * announced), log_rows - (per_block * 2 + LOG_MIN_ROWS)),
-            (_offsets(announced), token_rows),
-        ]
+        limits = []  # (cumulative cost per cache, room per launch)
+        if log_rows is not None:
+            limits.append((_offsets(per_block * blocks + (self.L + 1) * announced),
+                           log_rows - (per_block * 2 + LOG_MIN_ROWS)))
+            limits.append((_offsets(announced), token_rows))
         if copy_rows is not None:
             limits.append((_offsets(per_copy * blocks), copy_rows - (per_copy * 2 + COPY_SLACK)))
         n = len(blocks)

@@ -146,9 +146,14 @@ class CachePool:
         # into ever larger arrays (each pack copies every live row into
         # memory touched for the first time).
         start = config.initial_blocks
+        self.min_rows = 0  # packing never shrinks the pool below this
         self._pack(64 if start is None else start)
         if start is not None:
             self._fill_span(self.arrays, 0, self.num_rows)
+            self.arrays.tokens[:] = 0  # touched once here too: commits then write mapped memory
+            # Kept through a lull in load: giving these rows up would make
+            # the next burst pack into fresh memory again.
+            self.min_rows = self.num_rows
 
     # -- slots --------------------------------------------------------------------------
     @property
@@ -232,7 +237,7 @@ class CachePool:
             self.callbacks[s] = None
             self.serial[s] = -1  # free from here
         del released[:k]
-        if k and self.num_rows > SHRINK_MIN_ROWS:
+        if k and self.num_rows > max(SHRINK_MIN_ROWS, self.min_rows):
             live = int(self.seg[self.serial >= 0, 1].sum())
             if SHRINK_BELOW * live < self.num_rows:
                 self._pack(0, shrink=True)
@@ -375,10 +380,12 @@ class CachePool:
         dst_arrays.tokens[d * T:(d + n) * T] = src_arrays.tokens[s * T:(s + n) * T]
 
     def _fill_span(self, arrays, d: int, n: int):
-        """Block rows ``[d, d + n)`` as no cache wrote them."""
+        """Block rows ``[d, d + n)`` as no cache wrote them. Their tokens
+        (four fifths of a row's bytes) are left as they are: no kernel and no
+        host read goes past a cache's committed tokens, which its commits and
+        its reuse setup write."""
         for name, fill in _BLOCK_FILL.items():
             getattr(arrays, name)[d:d + n] = fill
-        arrays.tokens[d * self.T:(d + n) * self.T] = 0
 
     def _copy_rows(self, src_arrays, dst_arrays, src, dst):
         """Block rows ``src`` to ``dst`` (index arrays)."""
@@ -405,7 +412,7 @@ class CachePool:
         # per doubling of the caches and not every few moves.
         target = 3 * kept + extra
         if rows < target or shrink:
-            rows = max(64, 2 * target)
+            rows = max(64, 2 * target, self.min_rows)
         xp = self.backend.xp
         L, W, T = self.L, self.width, self.T
         # Left unwritten: rows past the top are filled when a segment takes them.

@@ -68,7 +68,6 @@ from .core.layout import (
     LOG_KIND,
     LOG_LIFE_CYCLE,
     NULL,
-    POLICY_LOG_RECORDS,
     RETIRED_FREED,
     RETIRED_REMOVED,
     RETIRED_ROOT_REMOVED,
@@ -263,8 +262,7 @@ class Launcher:
     def _read_by_events_or_sink(self) -> None:
         """The kernels write change-log records only while someone reads
         them: the event manager, or a test's sink."""
-        wanted = self.events is not None or self._log_sink is not None
-        self.tables.policy[POLICY_LOG_RECORDS] = int(wanted)
+        self.tables.read_log_records(self.events is not None or self._log_sink is not None)
 
     def launch(self, kernel, *args, results=None) -> None:
         """``kernel(tables, *args)``, then its aftermath (the kernels find
@@ -296,10 +294,10 @@ class Launcher:
         if self._results is not None:
             self._results()
         t = self.tables
-        counters = t.counters_host()
-        self.held_detaches = int(counters[CNT_HELD_DETACHES])
-        self.removals = int(counters[CNT_DETACHES]) + int(counters[CNT_UNLINKS])
-        n = int(counters[CNT_NUM_COPIES])
+        counters = t.counters_host().tolist()  # plain ints: one conversion for all
+        self.held_detaches = counters[CNT_HELD_DETACHES]
+        self.removals = counters[CNT_DETACHES] + counters[CNT_UNLINKS]
+        n = counters[CNT_NUM_COPIES]
         if n:
             copies = t.read_copies(n)
             if self.copier is not None:
@@ -307,8 +305,8 @@ class Launcher:
             t.counters[CNT_NUM_COPIES] = 0
         if self.copier is not None:
             self.copier.rewind()  # after the reset: a reset count with a stale cursor reads as done
-        n = int(counters[CNT_LOG_LEN])
-        retired = int(counters[CNT_RETIRED])
+        n = counters[CNT_LOG_LEN]
+        retired = counters[CNT_RETIRED]
         if n or retired:
             if self._drained is None:
                 # Read once: returning the freed rows may overwrite the
@@ -316,7 +314,7 @@ class Launcher:
                 # records leave the device only for someone who reads them
                 # (events on, or a test's sink); the freed rows always.
                 read = self.events is not None or self.log_sink is not None
-                records, tokens = t.read_log(n, int(counters[CNT_LOG_TOKENS_LEN])) if read else (_NO_RECORDS, None)
+                records, tokens = t.read_log(n, counters[CNT_LOG_TOKENS_LEN]) if read else (_NO_RECORDS, None)
                 freed = None
                 if retired:  # most launches free no row: nothing to merge or give back
                     rows, kinds, at = t.read_retired(retired)
@@ -335,7 +333,7 @@ class Launcher:
                 t.return_rows(freed)
         self._drained = None
         self._log_fed[0] = 0
-        err = int(counters[CNT_ERROR])
+        err = counters[CNT_ERROR]
         self._results = None
         self.pending = False
         if err != ERR_NONE:

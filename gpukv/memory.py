@@ -9,11 +9,14 @@ of a manager's actual arrays, table by table.
 With ``CacheConfig.max_blocks`` set, the tables are allocated at these sizes
 at construction and never grow, so the figure is the index's whole footprint
 for the manager's life. With ``max_blocks=None`` the block-indexed tables
-start at 256 rows and double as the tree grows, and the change log grows on
-demand up to its budget; pass ``blocks=`` for the size at a given row count.
-Either way the change log is kept within ``table_sizes.CHANGE_LOG_BUDGET`` bytes,
-whatever the number of blocks; only one cache's call beyond it (a commit
-over more blocks than the budget covers) takes more, for its launch.
+start at 256 rows and double as the tree grows; pass ``blocks=`` for the
+size at a given row count. The change log holds records only for KV cache
+events (or a test's sink): without events it stays at its least. With
+them it is preallocated at its budget under ``max_blocks`` and grows on
+demand up to it otherwise; either way it is kept within
+``table_sizes.CHANGE_LOG_BUDGET`` bytes, whatever the number of blocks, and
+only one cache's call beyond it (a commit over more blocks than the budget
+covers) takes more, for its launch.
 
 Not counted here: page memory (``page_bytes > 0``: one ``[pages,
 page_bytes]`` array per life cycle and cache level), the token arena of
@@ -75,8 +78,9 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
       the copy list (``3P + 16`` records, int32, or ``table_sizes.COPY_LIST_BUDGET``
       bytes when that is less);
     - the change log (``log``, ``log_tokens``), at the sizes
-      ``tables.preallocated_sizes`` gives (with ``max_blocks``: its budget,
-      ``tables.log_budget``; without, the rows it starts with);
+      ``table_sizes.preallocated_sizes`` gives (with ``max_blocks`` and KV
+      cache events: its budget, ``table_sizes.log_budget``; else the rows it
+      starts with);
     - the eviction lists: one per (life cycle, level, held or not,
       priority), and a count row per (life cycle, level, held or not);
     - small per-life-cycle and per-pool arrays, the counters, the policy

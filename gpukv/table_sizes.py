@@ -87,11 +87,17 @@ def preallocated_sizes(config: CacheConfig) -> dict:
     """The row counts the tables start with: with ``max_blocks`` the block
     tables at the size they may ever need, so none grows (``index_memory``
     reports the bytes). ``blocks``: block rows; ``log`` and ``log_tokens``:
-    the change log, at its budget with ``max_blocks`` (``log_budget``), else
-    small, growing up to the budget."""
+    the change log, at its budget (``log_budget``) with ``max_blocks`` when
+    the manager publishes KV cache events, else small. Kernels write log
+    records only while someone reads them (the events, or a test's sink):
+    an unread log never grows, and one read by a sink attached later grows on
+    demand up to the budget."""
+    small = {"log": LOG_MIN_ROWS, "log_tokens": LOG_TOKENS_MIN_ROWS}
     if config.max_blocks is None:
         blocks = INITIAL_BLOCK_ROWS if config.initial_blocks is None else max(INITIAL_BLOCK_ROWS, pow2_at_least(config.initial_blocks))
-        return {"blocks": blocks, "log": LOG_MIN_ROWS, "log_tokens": LOG_TOKENS_MIN_ROWS}
+        return {"blocks": blocks, **small}
+    if config.max_kv_event_entries <= 0:
+        return {"blocks": config.max_blocks, **small}
     log_rows, tokens_rows = log_budget(config.tokens_per_block)
     return {"blocks": config.max_blocks, "log": log_rows, "log_tokens": tokens_rows}
 

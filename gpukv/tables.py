@@ -72,6 +72,7 @@ from .core.layout import (
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_SCRATCH_REWIND,
     POLICY_BLOCK_DIGESTS,
+    POLICY_LOG_RECORDS,
     POLICY_STABLE_PAGES,
     POLICY_WIDTH,
     RETIRED_ROW_BITS,
@@ -219,6 +220,14 @@ class Tables:
         policy[POLICY_STABLE_PAGES] = int(config.stable_pages)
         policy[POLICY_BLOCK_DIGESTS] = int(config.block_digests)
         self.policy = backend.to_device(policy)
+        self.read_log_records(config.max_kv_event_entries > 0)
+
+    def read_log_records(self, wanted: bool) -> None:
+        """Whether the kernels write change-log records (someone reads them:
+        the event manager, or a test's sink). Unread, the log needs no room
+        and stays as small as it is."""
+        self.log_read = bool(wanted)
+        self.policy[POLICY_LOG_RECORDS] = int(wanted)
 
     # -- views ------------------------------------------------------------------
     @property
@@ -433,25 +442,34 @@ class Tables:
         Within the budget the log grows on demand; a launch that alone needs
         more (one cache's call over more blocks than the budget covers) gets
         it for that launch, and the next launch that needs less than the
-        budget gives it back.
+        budget gives it back. While nobody reads the records
+        (``read_log_records``) the kernels write none, and the log and
+        ``log_tokens`` are left as they are.
 
         ``settled``: the last launch's aftermath is complete, so it left no
         record, token row or copy behind (its counters were reset) and the
         counters need no read (on ``cuda``, a transfer)."""
+        read = self.log_read
+        rows = log_rows_for(blocks, announced, self.num_life_cycles) if read else 0
+        # The copy list: counted from 0 at the kernel (a pending launch's
+        # copies are carried out first), never more than the pool's bound.
+        need = min(copy_rows_for(blocks, self.num_life_cycles), 3 * self.num_pages + COPY_SLACK)
         if settled:
+            if (need <= self.copies.shape[0] <= self.copy_budget and (not read or (
+                    rows <= self.log.shape[0] <= self.log_budget[0]
+                    and announced <= self.log_tokens.shape[0] <= self.log_budget[1]))):
+                return  # the usual case: every table holds the launch as it is
             kept = kept_tokens = copies = 0
         else:
             counters = self.counters_host()
             kept, kept_tokens = int(counters[CNT_LOG_LEN]), int(counters[CNT_LOG_TOKENS_LEN])
             copies = int(counters[CNT_NUM_COPIES])
-        self.ensure_log_tokens(announced, kept_tokens)
-        rows = kept + log_rows_for(blocks, announced, self.num_life_cycles)
-        table = self._sized(self.log, rows, kept, self.log_budget[0], np.int64)
-        if table is not self.log:
-            self.log = table
-        # The copy list: counted from 0 at the kernel (a pending launch's
-        # copies are carried out first), never more than the pool's bound.
-        need = max(copies, min(copy_rows_for(blocks, self.num_life_cycles), 3 * self.num_pages + COPY_SLACK))
+        if read:  # unread, the kernels write no record: the log needs no room
+            self.ensure_log_tokens(announced, kept_tokens)
+            table = self._sized(self.log, kept + rows, kept, self.log_budget[0], np.int64)
+            if table is not self.log:
+                self.log = table
+        need = max(copies, need)
         table = self._sized(self.copies, need, copies, self.copy_budget, COPIES.dtype, zero=True, fixed=True)
         if table is not self.copies:
             self.copies = table

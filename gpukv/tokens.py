@@ -62,6 +62,9 @@ def _check_container(tokens, request):
 # array operations is several times that of the conversion.
 _SHORT_LIST = 32
 _PLAIN_INTS = frozenset({int})
+# An array this short is checked as a list: a NumPy reduction's fixed cost is
+# several times that of converting a few ints.
+_SHORT_ARRAY = 16
 
 
 def token_array(tokens, intern: Callable[[bytes], int], request: int | None = None) -> np.ndarray:
@@ -211,6 +214,9 @@ def _token_range(a) -> tuple[int, int]:
     needs them: no signed int of 32 bits or fewer passes MAX_TOKEN_ID
     (2**31 - 1), so for those only the sign is read (the min stands in for
     the max)."""
+    if a.size <= _SHORT_ARRAY and type(a) is np.ndarray:  # a decode step's token or two
+        values = a.tolist()
+        return min(values), max(values)
     lo = int(a.min())
     hi = int(a.max()) if a.dtype.itemsize > 4 or a.dtype.kind == "u" else lo
     return lo, hi

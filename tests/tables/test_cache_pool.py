@@ -249,3 +249,30 @@ def test_the_pool_gives_rows_back_after_a_burst():
         sizes.add(pool.num_rows)
     assert len(sizes) == 1 and max(sizes) <= 1024, sizes
     mgr.close_batch(steady)
+
+
+def test_a_presized_pool_keeps_its_rows_through_a_lull():
+    """``initial_blocks`` sizes the pool for the steady state: when load falls
+    the pool gives back only what it grew beyond that, so the next burst
+    finds its rows (the same arrays) instead of packing into fresh memory."""
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=8192, initial_blocks=4096)
+    pool = mgr._pool
+    presized = pool.num_rows
+    assert presized >= 2 * 4096
+    tokens_array = pool.arrays.tokens
+    for _ in range(3):  # a lull: one short cache at a time, each collected before the next comes
+        kv = mgr.create_kv_cache(input_tokens=[1, 2, 3])
+        assert kv.resume() and kv.resize(8 * T)
+        kv.close()
+        del kv
+        gc.collect()
+    mgr.create_kv_cache().close()  # the allocation that takes the slots back
+    assert pool.num_rows == presized and pool.arrays.tokens is tokens_array
+    burst = mgr.create_kv_caches([[]] * 64)  # past the presized rows: the pool grows ...
+    assert mgr.resume_batch(burst).all() and mgr.resize_batch(burst, [120 * T] * 64).all()
+    assert pool.num_rows > presized
+    mgr.close_batch(burst)
+    del burst
+    gc.collect()
+    mgr.create_kv_cache().close()
+    assert pool.num_rows == presized  # ... and shrinks back to its presized rows, not below

@@ -43,16 +43,38 @@ def tiny_log(monkeypatch):
 
 
 def test_the_budget_is_the_same_whatever_max_blocks_is():
-    small = gpukv.index_memory(gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**10))
-    large = gpukv.index_memory(gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**17, pages_per_life_cycle=2**17))
+    small = gpukv.index_memory(gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**10, max_kv_event_entries=64))
+    large = gpukv.index_memory(gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**17, pages_per_life_cycle=2**17,
+                                                 max_kv_event_entries=64))
     for field in ("log", "log_tokens"):
         assert small.tables[field] == large.tables[field]
     assert large.tables["log"] + large.tables["log_tokens"] <= table_sizes.CHANGE_LOG_BUDGET
+    assert large.tables["log"] == table_sizes.log_budget(32)[0] * table_sizes.LOG.width * 8
+
+
+def test_an_unread_log_is_not_preallocated():
+    """Without events the kernels write no record: a preallocated index
+    keeps the log at its least, and it grows only once a sink reads it."""
+    config = gpukv.CacheConfig(tokens_per_block=32, max_blocks=2**12, pages_per_life_cycle=2**12)
+    memory = gpukv.index_memory(config).tables
+    assert memory["log"] == table_sizes.LOG_MIN_ROWS * table_sizes.LOG.width * 8
+    mgr = gpukv.KVCacheManager(config)
+    assert mgr._tables.log.nbytes == memory["log"] and mgr._tables.log_tokens.nbytes == memory["log_tokens"]
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(3004 * 32)
+    kv.commit(list(range(1, 3000 * 32 + 1)))  # far more records than the least log holds, none written
+    assert mgr._tables.log.shape[0] == table_sizes.LOG_MIN_ROWS
+    log = introspect.record_log(mgr)
+    kv.commit(list(range(1, 1 + 4 * 32)))
+    assert sum(int(r[LOG_KIND]) == EV_CREATED for r in log) == 4
+    assert mgr._tables.log.shape[0] == table_sizes.log_budget(32)[0]  # read now: at its budget, as max_blocks sizes
+    kv.close()
+    introspect.check_sanity(mgr)
 
 
 def test_tiny_budget_sizes(tiny_log):
     assert tiny_log(T) == (table_sizes.LOG_BUDGET_MIN_ROWS, table_sizes.LOG_TOKENS_MIN_ROWS)
-    mgr = make_manager("cpu", tokens_per_block=T, max_blocks=64, pages_per_life_cycle=320)
+    mgr = make_manager("cpu", tokens_per_block=T, max_blocks=64, pages_per_life_cycle=320, max_kv_event_entries=64)
     assert mgr._tables.log.shape[0] == table_sizes.LOG_BUDGET_MIN_ROWS
     assert mgr._tables.copies.shape[0] == table_sizes.COPY_BUDGET_MIN_ROWS < 3 * 320
     memory = gpukv.index_memory(mgr.config).tables
@@ -95,6 +117,7 @@ def test_a_batch_beyond_the_budget_is_split(tiny_log, backend):
     """Forty caches resized by twenty blocks each: more than a thousand log
     rows, so several launches; each cache gets what a resize alone gives."""
     mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=2000)
+    introspect.record_log(mgr)  # records are written only while read: the log's budget counts then
     twin = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=2000)
     kvs, twins = mgr.create_kv_caches([[]] * 40), twin.create_kv_caches([[]] * 40)
     assert mgr.resume_batch(kvs).all() and all(kv.resume() for kv in twins)
@@ -145,6 +168,7 @@ def test_a_decode_step_over_whole_chains_reserves_for_its_new_blocks_only(monkey
     the per-cache calls on a twin."""
     monkeypatch.setattr(table_sizes, "CHANGE_LOG_BUDGET", 0)  # the log at its least; the copy list as it is
     mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=2000)
+    introspect.record_log(mgr)  # records are written only while read: the log's budget counts then
     twin = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=2000)
     n = 8
     kvs, twins = mgr.create_kv_caches([[]] * n), twin.create_kv_caches([[]] * n)
