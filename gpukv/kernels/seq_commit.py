@@ -13,8 +13,10 @@ from __future__ import annotations
 from ..core.kinds import has_window, is_checkpoint
 from ..core.layout import (
     ALLOWED,
+    BID_KEY,
     BLK_NUM_TOKENS,
     BLK_ORDINAL,
+    CNT_BLOCK_FREE_TOP,
     EV_STORED_BLOCK,
     EV_STORED_LIFE_CYCLE,
     LOCK,
@@ -44,7 +46,9 @@ from ..core.layout import (
 from .link import helper
 from .blocks import add_or_get, adopt_pages_from, get_or_create_root
 from .evict import install_page, make_room, schedule
-from .index import is_attached
+from .index import bucket_of, is_attached, sibling_bucket_of
+from .keys import combine, content_hash
+from .prefetch import prefetch1
 from .lifecycle import is_stale, stale_end, stale_start
 from .log import announce
 from .pages import alloc_page, can_replace_page, copy_page_data, coverage, page_of, replace_page
@@ -138,6 +142,36 @@ def snapshot_ssm(S, Q, tb, n_total, move):
             schedule(S, live)
         else:
             copy_page_to_tree(S, Q, tb, lc, live, c)
+
+
+@helper(inline=False)
+def prefetch_blocks(S, Q, f0, f1):
+    """Ask for the index lines the inserts of full blocks ``f0..f1 - 1`` will
+    read first: each block's bucket head in the child index, and in the
+    sibling index the head for its parent and first token. In tables larger
+    than the caches each is a miss, and one block's insert cannot start
+    before the one before it is done; the keys follow from the tokens alone,
+    and the parents' rows are those the free-row stack will give, so the
+    misses of a chunk overlap instead. Only hints: a guess that turns out
+    wrong (a block that exists already, a detached chain re-attached on the
+    way) costs a useless fetch, never a wrong result."""
+    T = S.tokens.shape[1]
+    if f0 == 0:
+        key = Q.scalars[Q_SCOPE_KEY]  # the scope root's key
+        parent = NULL  # its row is found on the way
+    else:
+        parent = Q.tree[f0 - 1]
+        if parent == NULL:
+            return
+        key = S.block_ids[parent, BID_KEY]
+    top = S.counters[CNT_BLOCK_FREE_TOP]
+    for o in range(f0, f1):
+        key = combine(key, content_hash(Q.tokens, o * T, T))
+        prefetch1(S.buckets, bucket_of(S, key))
+        if parent != NULL:
+            prefetch1(S.sibling_buckets, sibling_bucket_of(S, parent, Q.tokens[o * T]))
+        k = top - 1 - (o - f0)  # the row block o takes if it is new
+        parent = S.block_free[k] if k >= 0 else NULL
 
 
 @helper(inline=False)
@@ -287,6 +321,8 @@ def commit(S, Q, n0, k, is_end, out):
     partial = min_snapshot and n1 % T != 0
     if f1 > f0 or partial:
         snap = (n1 - 1) // T
+        if f1 - f0 > 1:
+            prefetch_blocks(S, Q, f0, f1)
         for o in range(f0, f1):
             commit_block(S, Q, o, False, min_snapshot and has_ssm and o == snap, is_end, out)
             if Q.scalars[Q_COMMIT_STATE] != ALLOWED:
