@@ -10,6 +10,7 @@ the tree, and checkpoint kinds' state is copied (moved on ``is_end``).
 
 from __future__ import annotations
 
+from ..core.backend import device_jit
 from ..core.kinds import has_window, is_checkpoint
 from ..core.layout import (
     ALLOWED,
@@ -144,7 +145,13 @@ def snapshot_ssm(S, Q, tb, n_total, move):
             copy_page_to_tree(S, Q, tb, lc, live, c)
 
 
-@helper(inline=False)
+def _no_prefetch_blocks(S, Q, f0, f1):
+    """``prefetch_blocks`` on ``cuda``: nothing. A GPU hides memory latency
+    with other threads, and the sequence kernels' one thread would only hash
+    the blocks twice."""
+
+
+@helper(inline=False, cuda=lambda: device_jit("cuda")(_no_prefetch_blocks))
 def prefetch_blocks(S, Q, f0, f1):
     """Ask for the index lines the inserts of full blocks ``f0..f1 - 1`` will
     read first: each block's bucket head in the child index, and in the
