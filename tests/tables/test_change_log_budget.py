@@ -137,6 +137,28 @@ def test_a_batch_beyond_the_budget_is_split(tiny_log, backend):
     introspect.check_sanity(mgr)
 
 
+def test_an_unread_log_splits_no_batch(monkeypatch, backend):
+    """Nobody reads the records, so the kernels write none and the log's
+    budget splits nothing: forty caches resized by twenty blocks each run in
+    one launch, where a log at its least, once read, splits the next such
+    resize into several."""
+    monkeypatch.setattr(table_sizes, "CHANGE_LOG_BUDGET", 0)  # the log at its least; the copy list as it is
+    mgr = make_manager(backend, tokens_per_block=T, pages_per_life_cycle=2000)
+    kvs = mgr.create_kv_caches([[]] * 40)
+    assert mgr.resume_batch(kvs).all()
+    launches = mgr._launcher.launches
+    assert mgr.resize_batch(kvs, [20 * T] * 40).all()
+    assert mgr._launcher.launches - launches == 1
+    assert mgr._tables.log.shape[0] == table_sizes.LOG_MIN_ROWS
+    introspect.record_log(mgr)
+    launches = mgr._launcher.launches
+    assert mgr.resize_batch(kvs, [40 * T] * 40).all()
+    assert mgr._launcher.launches - launches > 1
+    assert all(len(kv.page_indices(0)) == 40 for kv in kvs)
+    mgr.close_batch(kvs)
+    introspect.check_sanity(mgr)
+
+
 def test_one_cache_beyond_the_budget_gets_a_launch_of_its_own(tiny_log):
     """A commit over more blocks than the budget covers: one launch with a
     log sized for it, given back by the next launch that needs less."""
