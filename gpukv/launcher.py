@@ -313,7 +313,7 @@ class Launcher:
                 # retired list, so a resumed aftermath uses this copy. The
                 # records leave the device only for someone who reads them
                 # (events on, or a test's sink); the freed rows always.
-                read = self.events is not None or self.log_sink is not None
+                read = t.log_read
                 records, tokens = t.read_log(n, counters[CNT_LOG_TOKENS_LEN]) if read else (_NO_RECORDS, None)
                 freed = None
                 if retired:  # most launches free no row: nothing to merge or give back

@@ -121,6 +121,14 @@ _DEVICE_FIELDS = frozenset(DeviceTables._fields)
 UNKNOWN_DIGEST = -(2**31)  # stands for any digest no block holds
 
 
+def _holds(table, rows: int, budget: int) -> bool:
+    """Whether ``table`` stays as it is for a launch that needs ``rows`` of
+    its rows: it has them, and it is within ``budget`` (or the launch alone
+    needs more)."""
+    have = table.shape[0]
+    return have >= rows and (have <= budget or rows > budget)
+
+
 class Tables:
     """Every array of one manager's index, on the backend's device."""
 
@@ -455,9 +463,8 @@ class Tables:
         # copies are carried out first), never more than the pool's bound.
         need = min(copy_rows_for(blocks, self.num_life_cycles), 3 * self.num_pages + COPY_SLACK)
         if settled:
-            if (need <= self.copies.shape[0] <= self.copy_budget and (not read or (
-                    rows <= self.log.shape[0] <= self.log_budget[0]
-                    and announced <= self.log_tokens.shape[0] <= self.log_budget[1]))):
+            if _holds(self.copies, need, self.copy_budget) and (not read or (
+                    _holds(self.log, rows, self.log_budget[0]) and _holds(self.log_tokens, announced, self.log_budget[1]))):
                 return  # the usual case: every table holds the launch as it is
             kept = kept_tokens = copies = 0
         else:
@@ -479,9 +486,9 @@ class Tables:
         grown on demand (doubling, up to ``budget`` while that is enough;
         ``fixed``: it starts at the budget), and back to ``budget`` once a
         launch needs no more than it."""
-        have = table.shape[0]
-        if have >= rows and (have <= budget or rows > budget):
+        if _holds(table, rows, budget):
             return table
+        have = table.shape[0]
         if rows > budget:
             new = rows  # one launch beyond the budget: just what it needs
         elif self.max_blocks is not None or fixed or have > budget:
