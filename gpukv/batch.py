@@ -111,7 +111,7 @@ from .table_sizes import (
     log_rows_for,
     log_rows_per_block,
 )
-from .tokens import token_array, tokens_and_digests
+from .tokens import least, token_array, tokens_and_digests
 
 _STATUS_NAMES = {SUSPENDED: "SUSPENDED", ACTIVE: "ACTIVE", CLOSED: "CLOSED"}
 
@@ -982,4 +982,4 @@ class CacheCalls:
 
 def _holds_digests(tokens: np.ndarray) -> bool:
     """Whether converted tokens hold digests (negative ids, interned or looked up)."""
-    return bool(tokens.size) and int(tokens.min()) < 0
+    return bool(tokens.size) and least(tokens) < 0

@@ -30,6 +30,7 @@ batched call); every method that takes ``slots`` takes either, so the calls
 from __future__ import annotations
 
 import itertools
+import struct
 
 import numpy as np
 
@@ -57,6 +58,16 @@ MAX_BLOCKS_FLOOR = 1 << 18
 SHRINK_BELOW = 16
 # Block-indexed arrays and the value of a row no cache has written.
 _BLOCK_FILL = {"pages": NULL, "kinds": 0, "tree": NULL, "priority": DEFAULT_PRIORITY, "path": 0}
+
+
+# The work list of a per-cache call, written with ``struct`` (one store for
+# a row costs half of NumPy's slice stores): row 0 is the call (slot, op, its
+# token and path offsets 0, its arguments), row 1 ends the token and path lists.
+assert (BATCH_SLOT, BATCH_OP, BATCH_TOKENS, BATCH_PATH, BATCH_ARGS) == (0, 1, 2, 3, 4)
+_WORK_ROW = struct.Struct(f"={BATCH_WIDTH}q")
+_WORK_ENDS = struct.Struct("=2q")
+_WORK_ENDS_AT = 8 * (BATCH_WIDTH + BATCH_TOKENS)
+_NO_ARGS = (0,) * SEQ_ARGS_WIDTH
 
 
 def is_batch(slots) -> bool:
@@ -515,10 +526,10 @@ class CachePool:
             self._launch_work(launcher, ops >= FIRST_COMMIT_OP, work, tokens, path, results)
             return
         if not is_batch(slots):
-            work = self._work1  # no arrays to build for one cache
-            work[0, BATCH_SLOT:BATCH_OP + 1] = slots, ops
-            work[0, BATCH_ARGS:] = tuple(args) + (0,) * (SEQ_ARGS_WIDTH - len(args))
-            work[1, BATCH_TOKENS:BATCH_PATH + 1] = 0 if tokens is None else len(tokens), 0 if path is None else len(path)
+            work = self._work1  # no arrays to build for one cache: two stores into its rows, in place
+            _WORK_ROW.pack_into(work, 0, slots, ops, 0, 0, *args, *_NO_ARGS[len(args):])
+            _WORK_ENDS.pack_into(work, _WORK_ENDS_AT, 0 if tokens is None else len(tokens),
+                                 0 if path is None else len(path))
             self._launch_work(launcher, ops >= FIRST_COMMIT_OP, work, tokens, path, results)
             return
         n = len(slots)

@@ -34,7 +34,7 @@ import numpy as np
 
 from .arena import TokenArena, TokenSequence
 from .core.scope import ReuseScope, as_scope
-from .tokens import ValidTokens, check_flat, flatten, token_array
+from .tokens import ValidTokens, check_flat, flatten, least, token_array
 
 _BOOLS = frozenset({bool, np.bool_})
 _slot_of = attrgetter("_slot")
@@ -84,7 +84,7 @@ def ints(values, n: int, name: str, what: str) -> np.ndarray:
                 raise TypeError(f"{what}: {name}[{i}] must be a non-negative int, got {v!r}")
         raise TypeError(f"{what}: {name} must be one non-negative int per cache")
     a = a.astype(np.int64, copy=False).reshape(n)
-    if n and int(a.min()) < 0:
+    if n and least(a) < 0:
         i = int(np.argmax(a < 0))
         raise ValueError(f"{what}: {name}[{i}] must be a non-negative int, got {int(a[i])}")
     return a

@@ -108,7 +108,7 @@ class CallGuard:
         call = _Call(what)
         try:
             calls[call] = None
-            first = list(calls)[0]
+            first = next(iter(calls))
             if first is not call:
                 raise _refusal(call, first)
             # The manager's stream, if it has one, for everything the call
@@ -119,7 +119,7 @@ class CallGuard:
                     launcher.settle()
                 return method(*args, **kwargs)
         except BaseException:
-            if launcher.pending and calls and list(calls)[0] is call:
+            if launcher.pending and calls and next(iter(calls)) is call:
                 # Finish the aftermath of a launch that was cut short, so the
                 # caller that catches this finds the page data and the events
                 # complete; if that fails too, the next call finishes it.

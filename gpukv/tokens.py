@@ -151,7 +151,7 @@ def flatten(requests: Sequence, intern: Callable[[bytes], int]) -> tuple[np.ndar
                 pos = _bool_at(requests[i], small[keep & (owner == i)] - offsets[i])
                 if pos is not None:
                     raise _bool_error(i, pos)
-    if flat.size and int(flat.min()) < 0:
+    if flat.size and least(flat) < 0:
         negative = np.nonzero(flat < 0)[0]
         owner = np.searchsorted(offsets, negative, side="right") - 1
         bad = ~_members(digest_requests, len(requests))[owner]
@@ -192,7 +192,7 @@ def check_flat(flat, offsets, xp, tokens: bool = True) -> tuple:
     if int(offsets[-1]) != flat.shape[0]:
         raise ValueError(f"offsets must end at the token count {flat.shape[0]}, got {int(offsets[-1])}")
     steps = offsets[1:] - offsets[:-1]
-    if steps.size and int(steps.min()) < 0:
+    if steps.size and least(steps) < 0:
         i = int(xp.argmax(steps < 0))
         raise ValueError(f"request {i}: offsets must be non-decreasing ({int(offsets[i])} > {int(offsets[i + 1])})")
     if flat.size and (tokens or flat.dtype != np.int32):
@@ -209,6 +209,18 @@ def token_error(request: int | None, position: int, token: int) -> TokenError:
     return TokenError(f"{_where(request)}token {token} at position {position} is outside 0..{MAX_TOKEN_ID}")
 
 
+def least(a) -> int:
+    """The least value of a non-empty int array. On NumPy, ``a[a.argmin()]``:
+    ``argmin`` has a fifth of ``min``'s fixed cost (about 0.2 µs against 1.1
+    for a 512-token chunk), and every append pays this check."""
+    return int(a[a.argmin()]) if type(a) is np.ndarray else int(a.min())
+
+
+def greatest(a) -> int:
+    """The greatest value of a non-empty int array (see ``least``)."""
+    return int(a[a.argmax()]) if type(a) is np.ndarray else int(a.max())
+
+
 def _token_range(a) -> tuple[int, int]:
     """``(min, max)`` of a non-empty int token array, as far as the id range
     needs them: no signed int of 32 bits or fewer passes MAX_TOKEN_ID
@@ -217,8 +229,8 @@ def _token_range(a) -> tuple[int, int]:
     if a.size <= _SHORT_ARRAY and type(a) is np.ndarray:  # a decode step's token or two
         values = a.tolist()
         return min(values), max(values)
-    lo = int(a.min())
-    hi = int(a.max()) if a.dtype.itemsize > 4 or a.dtype.kind == "u" else lo
+    lo = least(a)
+    hi = greatest(a) if a.dtype.itemsize > 4 or a.dtype.kind == "u" else lo
     return lo, hi
 
 
@@ -244,7 +256,7 @@ def _bool_error(request, pos) -> TypeError:
 
 
 def _check_sign(a: np.ndarray, request):
-    if a.size and int(a.min()) < 0:
+    if a.size and least(a) < 0:
         bad = int(np.argmax(a < 0))
         raise token_error(request, bad, int(a[bad]))
 
