@@ -28,11 +28,11 @@ from .core.layout import (
     BID_KEY,
     BID_SERIAL,
     BLK_FIRST_CHILD,
+    BLK_LAST_CHILD,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
     BLK_NEXT_SIBLING,
-    BLK_NUM_CHILDREN,
     BLK_NUM_TOKENS,
     BLK_ORDINAL,
     BLK_PARENT,
@@ -63,7 +63,6 @@ from .core.layout import (
     PAGE_LRU_PREV,
     PAGE_POOL_INDEX,
     PAGE_PRIORITY,
-    PAGE_LIFE_CYCLE,
     STAMP_LRU_TICK,
     STAMP_SERIAL,
     PAGE_STATE,
@@ -75,6 +74,13 @@ from .core.layout import (
     slot_row,
 )
 from .tree import BlockRef
+
+
+def page_life_cycles(tables) -> np.ndarray:
+    """The life cycle of every page row of a manager's ``_tables``: each
+    life cycle owns the run of rows that starts at its ``row_start``."""
+    starts = tables.backend.to_host(tables.row_start)
+    return np.searchsorted(starts, np.arange(tables.num_pages), side="right") - 1
 
 
 def tables(mgr) -> dict:
@@ -361,7 +367,7 @@ def check_sanity(mgr):
             scope = _scope_of(tree, raw[r, BLK_SCOPE])
             if digests and int64x4_to_digest(digs[r]) != hashlib.sha256(scope.to_bytes()).digest():
                 fail(1, f"root row {r} is not keyed by SHA256 of its scope bytes")
-            if raw[r, BLK_NUM_CHILDREN] == 0:
+            if raw[r, BLK_FIRST_CHILD] == NULL:
                 fail(1, f"root row {r} has no children outside an operation")
             continue
         if not attached:
@@ -382,7 +388,7 @@ def check_sanity(mgr):
             ).digest()
             if int64x4_to_digest(digs[r]) != expect:
                 fail(2, f"row {r}'s key is not SHA256(parent key || tokens)")
-        if n < T and raw[r, BLK_NUM_CHILDREN]:
+        if n < T and raw[r, BLK_FIRST_CHILD] != NULL:
             fail(3, f"partial row {r} ({n} tokens) has children")
     # Children lists: every attached block is in its parent's list exactly
     # once; siblings have unique keys and none is a strict prefix of another.
@@ -396,8 +402,9 @@ def check_sanity(mgr):
                 fail(2, f"row {c} is listed under {p} but names parent {raw[c, BLK_PARENT]}")
             kids.append(int(c))
             c = raw[c, BLK_NEXT_SIBLING]
-        if len(kids) != raw[p, BLK_NUM_CHILDREN]:
-            fail(2, f"row {p} lists {len(kids)} children but counts {raw[p, BLK_NUM_CHILDREN]}")
+        if (kids[-1] if kids else NULL) != raw[p, BLK_LAST_CHILD]:
+            fail(2, f"row {p}'s children list ends at {kids[-1] if kids else NULL}, its last child is "
+                    f"{raw[p, BLK_LAST_CHILD]}")
         seqs = [tuple(toks[k, : raw[k, BLK_NUM_TOKENS]]) for k in kids]
         if len(set(seqs)) != len(seqs):
             fail(4, f"row {p} has two children with the same tokens")
@@ -406,6 +413,7 @@ def check_sanity(mgr):
                 if len(a) < len(b) and b[: len(a)] == a:
                     fail(4, f"row {p} has a child whose tokens are a strict prefix of a sibling's")
     # Slots and pages (6, 7).
+    page_lc = page_life_cycles(mgr._tables)
     for r in in_use:
         if raw[r, BLK_FLAGS] & FLAG_ROOT:
             continue
@@ -418,15 +426,15 @@ def check_sanity(mgr):
             page = pages[pg]
             if page["state"] != PAGE_COMMITTED:
                 fail(7, f"slot ({r}, {lc}) refers to page {pg}, which is not a live committed page")
-            if page["block"] != r or page["life_cycle"] != lc:
-                fail(6, f"slot ({r}, {lc}) holds page {pg} whose back-pointer is ({page['block']}, {page['life_cycle']})")
+            if page["block"] != r or page_lc[pg] != lc:
+                fail(6, f"slot ({r}, {lc}) holds page {pg} whose back-pointer is ({page['block']}, {page_lc[pg]})")
             if page["coverage"] != cov or not 1 <= cov <= raw[r, BLK_NUM_TOKENS]:
                 fail(6, f"slot ({r}, {lc}) coverage {cov} (page says {page['coverage']}) outside 1..{raw[r, BLK_NUM_TOKENS]}")
     raw_pages = mgr._backend.to_host(mgr._tables.pages)
     linked = np.nonzero(raw_pages[:, PAGE_BLOCK] != NULL)[0]
     for pg in linked:
         r = raw_pages[pg, PAGE_BLOCK]
-        lc = raw_pages[pg, PAGE_LIFE_CYCLE]
+        lc = page_lc[pg]
         if raw_pages[pg, PAGE_STATE] != PAGE_COMMITTED or slots[slot_row(r, lc, L)]["page"] != pg:
             fail(7, f"page {pg} points at ({r}, {lc}) but that slot does not hold it")
         if raw_pages[pg, PAGE_COVERAGE] < 1:
@@ -445,7 +453,7 @@ def _check_eviction_lists(mgr, pages, fail):
     h = mgr._backend.to_host
     lists, groups, pool_size = h(t.lru_lists), h(t.lru_groups), h(t.pool_size)
     n = pages.shape[0]
-    lc, level, state = pages[:, PAGE_LIFE_CYCLE], pages[:, PAGE_LEVEL], pages[:, PAGE_STATE]
+    lc, level, state = page_life_cycles(t), pages[:, PAGE_LEVEL], pages[:, PAGE_STATE]
     holders, priority = pages[:, PAGE_HOLDERS], pages[:, PAGE_PRIORITY]
     tick = h(t.page_stamps)[:, STAMP_LRU_TICK]
     has_host = pool_size[(lc * NUM_LEVELS + 1).clip(0, pool_size.size - 1)] > 0
@@ -631,10 +639,11 @@ def planned_pages(plan) -> list:
     tables = plan._tables
     rows = tables.backend.to_host(tables.pages)
     serials = tables.backend.to_host(tables.page_stamps[:, STAMP_SERIAL])
+    life_cycles = page_life_cycles(tables)
     out = []
     for p, serial in plan._pages:
         if serials[p] == serial and rows[p, PAGE_STATE] == PAGE_COMMITTED:
-            out.append((int(rows[p, PAGE_LIFE_CYCLE]), int(rows[p, PAGE_POOL_INDEX])))
+            out.append((int(life_cycles[p]), int(rows[p, PAGE_POOL_INDEX])))
     return out
 
 

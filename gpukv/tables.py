@@ -64,7 +64,6 @@ from .core.layout import (
     LRU_GROUPS,
     LRU_LISTS,
     NULL,
-    PAGE_LIFE_CYCLE,
     PAGE_STATE,
     PAGE_FREE,
     PAGE_STAMPS,
@@ -177,7 +176,6 @@ class Tables:
             page_free[start:start + size] = np.arange(size - 1, -1, -1)  # pop index 0 first
         for lc in range(L):
             rows_of_lc = np.arange(row_starts[lc], row_starts[lc] + per_lc[lc], dtype=np.int64)
-            pages[rows_of_lc, PAGE_LIFE_CYCLE] = lc
             row_free[rows_of_lc] = rows_of_lc[::-1]  # pop the lowest row first
         self.num_pages = total
         # Not zeroed: the kernels clear each record as they append it. Sized

@@ -70,7 +70,6 @@ BLOCKS = Layout(
         ("last_child", 1),
         ("next_sibling", 1),
         ("prev_sibling", 1),
-        ("num_children", 1),
         ("ordinal", 1),  # parent ordinal + 1; roots are -1
         ("scope", 1),  # interned reuse-scope id
         ("flags", 1),  # FLAG_* bits below
@@ -102,8 +101,8 @@ PAGES = Layout(
     "pages",
     np.int32,
     [
+        # Its life cycle is not a field: each owns a run of rows (``row_start``).
         ("block", 1),  # the block whose slot links this page; NULL = unlinked
-        ("life_cycle", 1),
         ("coverage", 1),  # leading tokens of its block this page holds valid data for
         ("level", 1),  # cache level: 0 = GPU, 1 = host
         ("priority", 1),  # eviction priority 0..100
@@ -420,11 +419,10 @@ BLK_FIRST_CHILD = 4
 BLK_LAST_CHILD = 5
 BLK_NEXT_SIBLING = 6
 BLK_PREV_SIBLING = 7
-BLK_NUM_CHILDREN = 8
-BLK_ORDINAL = 9
-BLK_SCOPE = 10
-BLK_FLAGS = 11
-BLK_REFS = 12
+BLK_ORDINAL = 8
+BLK_SCOPE = 9
+BLK_FLAGS = 10
+BLK_REFS = 11
 
 BID_KEY = 0
 BID_SERIAL = 1
@@ -433,18 +431,17 @@ SLOT_PAGE = 0
 SLOT_COVERAGE = 1
 
 PAGE_BLOCK = 0
-PAGE_LIFE_CYCLE = 1
-PAGE_COVERAGE = 2
-PAGE_LEVEL = 3
-PAGE_PRIORITY = 4
-PAGE_HOLDERS = 5
-PAGE_LOCKS = 6
-PAGE_PLANNED_DROPS = 7
-PAGE_STATE = 8
-PAGE_POOL_INDEX = 9
-PAGE_LRU_PREV = 10
-PAGE_LRU_NEXT = 11
-PAGE_LRU_LIST = 12
+PAGE_COVERAGE = 1
+PAGE_LEVEL = 2
+PAGE_PRIORITY = 3
+PAGE_HOLDERS = 4
+PAGE_LOCKS = 5
+PAGE_PLANNED_DROPS = 6
+PAGE_STATE = 7
+PAGE_POOL_INDEX = 8
+PAGE_LRU_PREV = 9
+PAGE_LRU_NEXT = 10
+PAGE_LRU_LIST = 11
 
 STAMP_LRU_TICK = 0
 STAMP_SERIAL = 1

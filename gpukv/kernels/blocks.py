@@ -24,7 +24,6 @@ from ..core.layout import (
     BLK_HASH_NEXT,
     BLK_LAST_CHILD,
     BLK_NEXT_SIBLING,
-    BLK_NUM_CHILDREN,
     BLK_NUM_TOKENS,
     BLK_ORDINAL,
     BLK_PARENT,
@@ -52,7 +51,6 @@ from ..core.layout import (
     OUT_IS_NEW,
     PAGE_BLOCK,
     PAGE_COVERAGE,
-    PAGE_LIFE_CYCLE,
     POLICY_BLOCK_DIGESTS,
     RETIRED_FREED,
     RETIRED_REMOVED,
@@ -74,7 +72,7 @@ from .index import (
 )
 from .keys import combine, content_hash
 from .log import log
-from .pages import can_replace_page, free_page, is_droppable, page_of, replace_page, set_slot, unlink_page
+from .pages import can_replace_page, free_page, is_droppable, page_life_cycle, page_of, replace_page, set_slot, unlink_page
 from .sha256 import chain_digest
 
 
@@ -94,7 +92,6 @@ def alloc_block(S):
     if S.policy[POLICY_BLOCK_DIGESTS] != 0:
         for w in range(4):
             S.digests[r, w] = NULL
-    S.blocks[r, BLK_NUM_CHILDREN] = 0
     S.blocks[r, BLK_NUM_TOKENS] = 0
     S.blocks[r, BLK_FLAGS] = FLAG_IN_USE
     S.blocks[r, BLK_REFS] = 0
@@ -135,13 +132,11 @@ def free_block_row(S, r):
 def append_child(S, parent, r):
     dlist_insert_after(S.blocks, BLK_PREV_SIBLING, BLK_NEXT_SIBLING, S.blocks, parent, BLK_FIRST_CHILD, BLK_LAST_CHILD, r,
                        S.blocks[parent, BLK_LAST_CHILD])
-    S.blocks[parent, BLK_NUM_CHILDREN] += 1
 
 
 @helper
 def remove_child(S, parent, r):
     dlist_remove(S.blocks, BLK_PREV_SIBLING, BLK_NEXT_SIBLING, S.blocks, parent, BLK_FIRST_CHILD, BLK_LAST_CHILD, r)
-    S.blocks[parent, BLK_NUM_CHILDREN] -= 1
 
 
 @helper(inline=False)
@@ -180,7 +175,7 @@ def detach(S, r):
     if S.blocks[r, BLK_REFS] > 0:  # a cache's chain loses a block (CachePool.attached_at)
         S.counters[CNT_HELD_DETACHES] += 1
     retire(S, r, RETIRED_REMOVED)  # EV_REMOVED, in its place among the log's records
-    if is_root(S, parent) and S.blocks[parent, BLK_NUM_CHILDREN] == 0:
+    if is_root(S, parent) and S.blocks[parent, BLK_FIRST_CHILD] == NULL:
         index_remove(S, parent)
         S.blocks[parent, BLK_FLAGS] = 0
         S.counters[CNT_LIVE_BLOCKS] -= 1
@@ -220,7 +215,7 @@ def clear_stale_blocks_after_page_unlink(S, start, lc):
     cur = start
     L = S.lc_kind.shape[0]
     while cur != NULL and is_attached(S, cur) and not is_root(S, cur):
-        if S.blocks[cur, BLK_NUM_CHILDREN] != 0:
+        if S.blocks[cur, BLK_FIRST_CHILD] != NULL:
             return
         for l2 in range(L):
             if page_of(S, cur, l2) != NULL:
@@ -234,7 +229,7 @@ def clear_stale_blocks_after_page_unlink(S, start, lc):
 def page_death(S, p):
     """A committed page lost its last owner: unlink it, clean up, free it."""
     r = S.pages[p, PAGE_BLOCK]
-    lc = S.pages[p, PAGE_LIFE_CYCLE]
+    lc = page_life_cycle(S, p)
     linked = r != NULL and unlink_page(S, r, lc, p) != NULL
     free_page(S, p)
     if linked:

@@ -32,7 +32,6 @@ from ..core.layout import (
     PAGE_FREE,
     PAGE_HOLDERS,
     PAGE_LEVEL,
-    PAGE_LIFE_CYCLE,
     PAGE_LOCKS,
     PAGE_LRU_LIST,
     PAGE_POOL_INDEX,
@@ -49,6 +48,7 @@ from .pages import (
     can_replace_page,
     free_page,
     last_level,
+    page_life_cycle,
     pool_of,
     pop_storage,
     push_storage,
@@ -66,7 +66,7 @@ def evictable(S, p):
         return False
     if S.pages[p, PAGE_HOLDERS] == 0:
         return S.pages[p, PAGE_STATE] == PAGE_COMMITTED  # an unheld uncommitted page is already dead
-    return S.pages[p, PAGE_LEVEL] < last_level(S, S.pages[p, PAGE_LIFE_CYCLE])
+    return S.pages[p, PAGE_LEVEL] < last_level(S, page_life_cycle(S, p))
 
 
 @helper
@@ -74,7 +74,7 @@ def candidate_list(S, p):
     """The list ``p`` belongs in, or NULL when it is no eviction candidate."""
     if not evictable(S, p):
         return NULL
-    group = lru_group(pool_of(S.pages[p, PAGE_LIFE_CYCLE], S.pages[p, PAGE_LEVEL]),
+    group = lru_group(pool_of(page_life_cycle(S, p), S.pages[p, PAGE_LEVEL]),
                       1 if S.pages[p, PAGE_HOLDERS] > 0 else 0)
     return lru_list(group, S.pages[p, PAGE_PRIORITY])
 
@@ -143,7 +143,7 @@ def next_victim(S, lc, level):
 def move_page(S, p, level):
     """Migrate ``p`` to a free slot at ``level``: the same page row, the same
     block link, its data copied; an updated event when it is linked."""
-    lc = S.pages[p, PAGE_LIFE_CYCLE]
+    lc = page_life_cycle(S, p)
     old = S.pages[p, PAGE_LEVEL]
     index = S.pages[p, PAGE_POOL_INDEX]
     new_index = pop_storage(S, lc, level)

@@ -29,7 +29,6 @@ from ..core.layout import (
     PAGE_FREE,
     PAGE_HOLDERS,
     PAGE_LEVEL,
-    PAGE_LIFE_CYCLE,
     PAGE_LOCKS,
     STAMP_LRU_TICK,
     PAGE_PLANNED_DROPS,
@@ -64,6 +63,17 @@ def set_slot(S, r, lc, page, cov):
     row = slot_row(r, lc, S.lc_kind.shape[0])
     S.slots[row, SLOT_PAGE] = page
     S.slots[row, SLOT_COVERAGE] = cov
+
+
+@helper
+def page_life_cycle(S, p):
+    """The life cycle of page row ``p``: each owns the run of rows that
+    starts at its ``row_start`` (the rows never change hands, so no page
+    record needs to say it)."""
+    lc = S.row_start.shape[0] - 1
+    while S.row_start[lc] > p:
+        lc -= 1
+    return lc
 
 
 @helper
@@ -119,7 +129,7 @@ def alloc_page(S, lc, level, priority):
 
 @helper(inline=False)  # a call: one copy for every caller compiles faster
 def free_page(S, p):
-    lc = S.pages[p, PAGE_LIFE_CYCLE]
+    lc = page_life_cycle(S, p)
     lru_unlink(S, p)  # a free row is never an eviction candidate
     push_storage(S, lc, S.pages[p, PAGE_LEVEL], S.pages[p, PAGE_POOL_INDEX])
     top = S.row_top[lc]
@@ -149,7 +159,7 @@ def record_copy(S, lc, src_level, src_index, dst_level, dst_index):
 
 @helper
 def copy_page_data(S, src, dst):
-    record_copy(S, S.pages[src, PAGE_LIFE_CYCLE], S.pages[src, PAGE_LEVEL], S.pages[src, PAGE_POOL_INDEX],
+    record_copy(S, page_life_cycle(S, src), S.pages[src, PAGE_LEVEL], S.pages[src, PAGE_POOL_INDEX],
                 S.pages[dst, PAGE_LEVEL], S.pages[dst, PAGE_POOL_INDEX])
 
 

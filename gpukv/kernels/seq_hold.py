@@ -21,7 +21,6 @@ from ..core.layout import (
     PAGE_COVERAGE,
     PAGE_HOLDERS,
     PAGE_LEVEL,
-    PAGE_LIFE_CYCLE,
     PAGE_LOCKS,
     PAGE_STATE,
     PAGE_UNCOMMITTED,
@@ -34,7 +33,7 @@ from .link import helper
 from .blocks import maybe_free_orphan, page_death
 from .evict import lru_update, make_room, move_page, schedule, schedule_first
 from .index import is_attached
-from .pages import alloc_page, free_page
+from .pages import alloc_page, free_page, page_life_cycle
 
 
 @helper
@@ -141,7 +140,7 @@ def promised_page(S, lc, priority):
 @helper
 def to_gpu(S, p):
     """A page about to be locked comes back from the host tier."""
-    if S.pages[p, PAGE_LEVEL] != 0 and make_room(S, S.pages[p, PAGE_LIFE_CYCLE], 0, 1):
+    if S.pages[p, PAGE_LEVEL] != 0 and make_room(S, page_life_cycle(S, p), 0, 1):
         move_page(S, p, 0)
 
 

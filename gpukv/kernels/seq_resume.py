@@ -17,7 +17,6 @@ from ..core.layout import (
     LOCK,
     NULL,
     PAGE_LEVEL,
-    PAGE_LIFE_CYCLE,
     Q_CAPACITY,
     Q_COMMITTED,
     Q_COMMITTED_BLOCKS,
@@ -33,7 +32,7 @@ from ..core.layout import (
 from .link import helper
 from .evict import can_have, evictable
 from .lifecycle import is_stale
-from .pages import copy_page_data, page_of
+from .pages import copy_page_data, page_life_cycle, page_of
 from .seq_hold import hold, promised_page, release, set_all_kinds, set_entry, set_tree, to_gpu
 from .seq_resize import release_scratch, resize
 
@@ -80,7 +79,7 @@ def pages_off_gpu(S, Q, lc):
             elif evictable(S, p):
                 held += 1
     p = Q.scalars[Q_SSM_PAGE]
-    if p != NULL and S.pages[p, PAGE_LIFE_CYCLE] == lc:
+    if p != NULL and page_life_cycle(S, p) == lc:
         if S.pages[p, PAGE_LEVEL] != 0:
             off += 1
         elif evictable(S, p):

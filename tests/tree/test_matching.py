@@ -180,7 +180,7 @@ def test_partial_search_with_more_than_32_children(backend):
     while c != -1:
         kids.append(c)
         c = int(blocks[c]["next_sibling"])
-    assert len(kids) == 40 and blocks[root]["num_children"] == 40
+    assert len(kids) == 40 and blocks[root]["last_child"] == kids[-1]
 
     m = check_batch(mgr, [[39, 1, 9, 9], [35, 1, 2], [39, 1, 2, 3], [40, 1]], expected=[2, 3, 4, 0])
     assert m.blocks(0).tolist() == [kids[39]] and m.blocks(1).tolist() == [kids[35]]
