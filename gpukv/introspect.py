@@ -28,10 +28,10 @@ from .core.layout import (
     BID_KEY,
     BID_SERIAL,
     BLK_FIRST_CHILD,
-    BLK_LAST_CHILD,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_HASH_NEXT,
+    BLK_LAST_CHILD,
     BLK_NEXT_SIBLING,
     BLK_NUM_TOKENS,
     BLK_ORDINAL,
@@ -96,7 +96,8 @@ def tables(mgr) -> dict:
     ``lru_lists`` are the eviction candidates' lists, row ``lru_list_row(lc,
     level, held, priority)``, each threaded oldest first through the pages'
     ``lru_next``; ``lru_groups``, row ``lru_group_row(lc, level, held)``,
-    count their members."""
+    count their members. A page row's life cycle is not stored: see
+    ``page_life_cycles``."""
     t = mgr._tables
     h = t.backend.to_host
     blocks = BLOCKS.view(h(t.blocks))
@@ -441,10 +442,10 @@ def check_sanity(mgr):
             fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
     _check_monotone_coverage(mgr, slots, raw, ids, digs, in_use, L)
     _check_pools(mgr, raw_pages, fail)
-    _check_eviction_lists(mgr, raw_pages, fail)
+    _check_eviction_lists(mgr, raw_pages, page_lc, fail)
 
 
-def _check_eviction_lists(mgr, pages, fail):
+def _check_eviction_lists(mgr, pages, page_lc, fail):
     """Invariant 9: the eviction candidates are listed exactly, each in the
     list of its (life cycle, level, held or not, priority), every list
     well linked and sorted by tick, the group counts right and every
@@ -453,7 +454,7 @@ def _check_eviction_lists(mgr, pages, fail):
     h = mgr._backend.to_host
     lists, groups, pool_size = h(t.lru_lists), h(t.lru_groups), h(t.pool_size)
     n = pages.shape[0]
-    lc, level, state = page_life_cycles(t), pages[:, PAGE_LEVEL], pages[:, PAGE_STATE]
+    lc, level, state = page_lc, pages[:, PAGE_LEVEL], pages[:, PAGE_STATE]
     holders, priority = pages[:, PAGE_HOLDERS], pages[:, PAGE_PRIORITY]
     tick = h(t.page_stamps)[:, STAMP_LRU_TICK]
     has_host = pool_size[(lc * NUM_LEVELS + 1).clip(0, pool_size.size - 1)] > 0
