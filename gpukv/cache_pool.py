@@ -29,6 +29,7 @@ batched call); every method that takes ``slots`` takes either, so the calls
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import struct
 
@@ -142,6 +143,11 @@ class CachePool:
         # (a callback that refers to its cache would otherwise keep it alive).
         self.callbacks: list = []
         self._released: list[tuple] = []  # (slot, serial) given back (appended from finalizers too)
+        # Free slots, a min-heap: an allocation takes the lowest without a
+        # pass over every slot. ``serial`` stays the truth; an entry whose
+        # slot was taken meanwhile is skipped, and one lost to an exception
+        # between its pop and its taking is listed again when the heap runs out.
+        self._free: list[int] = []
         self.arrays: SeqPool | None = None
         self._synced_seg = None  # the seg the kernels' copy was made from
         xp = backend.xp
@@ -186,38 +192,63 @@ class CachePool:
         caller gives back (``give_back``) those it makes no cache of, also
         when this raises."""
         self._take_released()
-        free = np.flatnonzero(self.serial < 0)
-        if free.size < n:
-            self._grow_slots(max(2 * self.seg.shape[0], self.seg.shape[0] + n))
-            free = np.flatnonzero(self.serial < 0)
-        slots = free[:n]  # the lowest free slots
+        picked = self._free_slots(n)
+        slots = np.array(picked, dtype=np.int64)
         serials = np.fromiter(itertools.islice(_SERIALS, n), dtype=np.int64, count=n)
         taken.append((slots, serials))
-        self.serial[slots] = serials  # taken: one store
-        self.seg[slots] = 0
+        # One cache (the usual create): plain int indices, each store a
+        # fraction of a fancy-indexed one.
+        one = n == 1
+        at = picked[0] if one else slots
+        self.serial[at] = serials[0] if one else serials  # taken: one store
+        self.seg[at] = 0
         self._synced_seg = None  # changed in place: the kernels' copy is re-made at the next launch
-        for s, cb in zip(slots.tolist(), callbacks):
+        for s, cb in zip(picked, callbacks):
             self.callbacks[s] = cb
             self.priorities_known[s] = NO_CALLBACK if cb is None else 0
-        self.attached_at[slots] = -1
+        self.attached_at[at] = -1
         rows = np.zeros((n, Q_WIDTH), dtype=np.int64)
         rows[:, Q_SSM_PAGE] = NULL
         rows[:, Q_NEVER_RESUMED] = 1
         rows[:, Q_SCOPE_ID] = scope_ids
         rows[:, Q_SCOPE_KEY] = scope_keys
+        digests = np.asarray(digests, dtype=np.int64).reshape(n, 4)
         b = self.backend
         A = self.arrays
-        d = b.to_device(slots)
-        A.scalars[d] = b.to_device(rows)
+        d = at if one else b.to_device(slots)
+        A.scalars[d] = b.to_device(rows[0] if one else rows)
         A.out[d] = 0
         A.counts[d] = 0
-        A.scope_digest[d] = b.to_device(np.asarray(digests, dtype=np.int64).reshape(n, 4))
+        A.scope_digest[d] = b.to_device(digests[0] if one else digests)
         A.scratch[d] = NULL
         A.scratch_count[d] = 0
         if b.on_gpu:  # elsewhere host_scalars is the device array itself
             self.host_scalars[slots] = rows
-        self._move(slots, np.maximum(np.asarray(blocks, dtype=np.int64), FIRST_BLOCKS))
+        blocks = np.maximum(np.asarray(blocks, dtype=np.int64), FIRST_BLOCKS)
+        self._move(at, int(blocks[0]) if one else blocks)
         return slots
+
+    def _free_slots(self, n: int) -> list:
+        """The ``n`` lowest free slots (not yet taken), the pool grown when
+        it has fewer."""
+        free, serial = self._free, self.serial
+        picked, seen = [], set()
+        while len(picked) < n:
+            if not free:
+                # Every listed slot is taken: list the free ones again (any
+                # an exception left out), and grow when there are too few.
+                free[:] = [s for s in np.flatnonzero(serial < 0).tolist() if s not in seen]
+                heapq.heapify(free)
+                if len(free) < n - len(picked):
+                    size = self.seg.shape[0]
+                    self._grow_slots(max(2 * size, size + n))
+                    serial = self.serial
+                continue
+            s = heapq.heappop(free)
+            if serial[s] < 0 and s not in seen:
+                picked.append(s)
+                seen.add(s)
+        return picked
 
     def release(self, slot: int, serial: int) -> None:
         """The cache of ``slot`` (of serial ``serial``) is gone (a finalizer:
@@ -247,6 +278,7 @@ class CachePool:
             self._synced_seg = None
             self.callbacks[s] = None
             self.serial[s] = -1  # free from here
+            heapq.heappush(self._free, s)
         del released[:k]
         if k and self.num_rows > max(SHRINK_MIN_ROWS, self.min_rows):
             live = int(self.seg[self.serial >= 0, 1].sum())
@@ -313,6 +345,7 @@ class CachePool:
         # back (the device array itself off the GPU).
         self.arrays, self.host_scalars, self.seg, self.serial, self.priorities_known, self.callbacks, self.attached_at = (
             arrays, host, seg, serial, known, callbacks, attached_at)
+        self._free.extend(range(old, n))  # above every listed slot: still a heap
         self._sync_seg()
         self.gen += 1
 
@@ -356,26 +389,31 @@ class CachePool:
         self._sync_seg()
         self.gen += 1
 
-    def _move(self, slots: np.ndarray, blocks: np.ndarray) -> None:
+    def _move(self, slots, blocks) -> None:
         """New segments of ``blocks`` rows for ``slots`` at the end of the
         pool, their rows so far copied along, the rest as no cache wrote them."""
-        need = int(blocks.sum())
+        one = not is_batch(slots)
+        need = blocks if one else int(blocks.sum())
         if self.top + need > self.num_rows:
             self._pack(need)
         self.gen += 1  # views taken before are stale from here on, whatever happens next
         old_base, old_len = self.seg[slots, 0], self.seg[slots, 1]
         top = self.top
-        base = top + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
+        base = top if one else top + np.cumsum(blocks) - blocks
         A = self.arrays
         # The new segments are one stretch from the top: filled at once, then
         # the rows the caches had so far copied in (new caches have none).
         self._fill_span(A, top, need)
-        moved = np.flatnonzero(old_len)
-        if moved.size <= 8:  # the usual case: a resize or two growing one segment each
-            for k in moved.tolist():
-                self._copy_span(A, A, int(old_base[k]), int(base[k]), int(old_len[k]))
-        elif moved.size:
-            self._copy_rows(A, A, ranges(old_base[moved], old_len[moved]), ranges(base[moved], old_len[moved]))
+        if one:
+            if old_len:
+                self._copy_span(A, A, int(old_base), top, int(old_len))
+        else:
+            moved = np.flatnonzero(old_len)
+            if moved.size <= 8:  # the usual case: a resize or two growing one segment each
+                for k in moved.tolist():
+                    self._copy_span(A, A, int(old_base[k]), int(base[k]), int(old_len[k]))
+            elif moved.size:
+                self._copy_rows(A, A, ranges(old_base[moved], old_len[moved]), ranges(base[moved], old_len[moved]))
         seg = self.seg.copy()
         seg[slots, 0] = base
         seg[slots, 1] = blocks

@@ -276,3 +276,31 @@ def test_a_presized_pool_keeps_its_rows_through_a_lull():
     gc.collect()
     mgr.create_kv_cache().close()
     assert pool.num_rows == presized  # ... and shrinks back to its presized rows, not below
+
+
+def test_new_caches_take_the_lowest_free_slots_and_lose_none():
+    """A new cache takes the lowest free slot: those of collected caches come
+    back, and the slot list grows only when every slot is taken. A slot an
+    interrupted allocation took off the free list before taking it is still
+    free, and a later allocation finds it."""
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=256)
+    pool = mgr._pool
+    slots_before = pool.serial.shape[0]
+    caches = mgr.create_kv_caches([[]] * 8)
+    assert sorted(kv._slot for kv in caches) == list(range(8))
+    gone = {caches[2]._slot, caches[5]._slot}
+    mgr.close_batch([caches[2], caches[5]])
+    del caches[5], caches[2]
+    gc.collect()
+    again = mgr.create_kv_caches([[]] * 2)
+    assert {kv._slot for kv in again} == gone
+    # An allocation cut short between choosing its slot and taking it.
+    (lost,) = pool._free_slots(1)
+    assert pool.serial[lost] < 0
+    rest = mgr.create_kv_caches([[]] * (slots_before - 8))
+    assert pool.serial.shape[0] == slots_before  # the lost slot was found: no growth
+    assert lost in {kv._slot for kv in rest}
+    more = mgr.create_kv_cache()  # every slot taken: now the list grows
+    assert pool.serial.shape[0] > slots_before and more._slot == slots_before
+    held = [kv._slot for kv in caches + again + rest + [more]]
+    assert len(set(held)) == len(held)
