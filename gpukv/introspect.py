@@ -63,8 +63,8 @@ from .core.layout import (
     PAGE_LRU_PREV,
     PAGE_POOL_INDEX,
     PAGE_PRIORITY,
+    PAGE_SERIAL,
     STAMP_LRU_TICK,
-    STAMP_SERIAL,
     PAGE_STATE,
     PAGE_STAMPS,
     PAGES,
@@ -88,7 +88,7 @@ def tables(mgr) -> dict:
 
     ``blocks`` with ``block_ids`` (the same rows: key, serial), ``slots``
     (row = block * num_life_cycles + life cycle), ``pages`` with
-    ``page_stamps`` (the same rows: LRU tick, serial) and ``log``;
+    ``page_stamps`` (the same rows: LRU tick) and ``log``;
     ``tokens`` is the plain [rows, T] token array and ``digests`` the plain
     [rows, 4] int64 SHA-256 chain keys ([0, 4] with ``block_digests`` off).
     ``block_slots`` is ``slots`` shaped [block rows, life cycles], so
@@ -534,7 +534,7 @@ def _check_monotone_coverage(mgr, slots, raw, ids, digs, in_use, L):
     tells a new page in that row from the one seen before. The block key is
     its digest (its serial with ``block_digests`` off)."""
     history = mgr.__dict__.setdefault("_sanity_coverage", {})
-    serials = mgr._backend.to_host(mgr._tables.page_stamps[:, STAMP_SERIAL])
+    serials = mgr._backend.to_host(mgr._tables.pages[:, PAGE_SERIAL])
     seen = {}
     for r in in_use:
         if raw[r, BLK_FLAGS] & FLAG_ROOT or not raw[r, BLK_FLAGS] & FLAG_ATTACHED:
@@ -639,7 +639,7 @@ def planned_pages(plan) -> list:
     still the committed pages it was made for, in plan order."""
     tables = plan._tables
     rows = tables.backend.to_host(tables.pages)
-    serials = tables.backend.to_host(tables.page_stamps[:, STAMP_SERIAL])
+    serials = tables.backend.to_host(tables.pages[:, PAGE_SERIAL])
     life_cycles = page_life_cycles(tables)
     out = []
     for p, serial in plan._pages:

@@ -36,7 +36,7 @@ from .core.layout import (
     BLOCK_IDS, BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGE_STAMPS, PAGES,
     POLICY, ROW_DTYPE, SHA256_WORK_WORDS, SLOTS,
 )
-from .table_sizes import copy_budget, pow2_at_least, preallocated_sizes
+from .table_sizes import copy_budget, index_buckets, preallocated_sizes
 from .tables import DeviceTables
 
 INT64 = np.dtype(np.int64).itemsize
@@ -71,10 +71,11 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
       none without ``block_digests``), ``tokens``
       (``T`` int32), ``slots`` (one row per life cycle, int32), ``block_free``
       (int64: it also holds a launch's retired rows), and two child-index
-      bucket arrays of the power of two at least ``2r`` (int32);
+      bucket arrays of the power of two at least ``r`` (int32:
+      ``table_sizes.index_buckets``);
     - per page ``P`` (GPU and host pages of every life cycle): ``pages``
-      (its layout width, int32), ``page_stamps`` (the 64-bit LRU tick and
-      serial), ``page_free`` and ``row_free`` (int32) and
+      (its layout width, int32), ``page_stamps`` (the 64-bit LRU tick),
+      ``page_free`` and ``row_free`` (int32) and
       the copy list (``3P + 16`` records, int32, or ``table_sizes.COPY_LIST_BUDGET``
       bytes when that is less);
     - the change log (``log``, ``log_tokens``), at the sizes
@@ -99,7 +100,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
     L = len(config.life_cycles)
     P = sum(config.pages_per_life_cycle_list()) + sum(config.pages_per_life_cycle_list(host=True))
     groups = max(1, L) * NUM_LEVELS * NUM_HELD  # eviction list groups: (life cycle, level, held or not)
-    buckets = pow2_at_least(2 * rows)
+    buckets = index_buckets(rows)
 
     def record(layout, n: int) -> int:
         return n * layout.width * layout.dtype.itemsize

@@ -32,7 +32,7 @@ CHANGE_LOG_BUDGET = 4 << 20
 LOG_BUDGET_MIN_ROWS = 4 * LOG_MIN_ROWS  # the least any budget gives: the slack and some room
 # Bytes the page-copy list of one launch is kept within, split likewise
 # (it needs at most three copies per page of the pool, its size when smaller).
-COPY_LIST_BUDGET = 1 << 20
+COPY_LIST_BUDGET = 1 << 19
 COPY_SLACK = 16
 COPY_BUDGET_MIN_ROWS = 256
 
@@ -100,6 +100,14 @@ def preallocated_sizes(config: CacheConfig) -> dict:
         return {"blocks": config.max_blocks, **small}
     log_rows, tokens_rows = log_budget(config.tokens_per_block)
     return {"blocks": config.max_blocks, "log": log_rows, "log_tokens": tokens_rows}
+
+
+def index_buckets(rows: int) -> int:
+    """Bucket heads of each child index (by key, by parent and first token)
+    for ``rows`` block rows: a power of two (a bucket is a mask of the key)
+    at least ``rows``, so chains average at most one row more than the hit
+    when every row is in the tree (an int32 head per row, not two)."""
+    return pow2_at_least(rows)
 
 
 def pow2_at_least(n: int) -> int:

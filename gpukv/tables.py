@@ -33,7 +33,7 @@ from .core.config import PRIORITY_MIN, CacheConfig
 from .core.errors import IndexFullError
 from .kernels.keys import sibling_hash_np
 from .table_sizes import (
-    COPY_SLACK, copy_budget, copy_rows_for, log_budget, log_rows_for, pow2_at_least, preallocated_sizes,
+    COPY_SLACK, copy_budget, copy_rows_for, index_buckets, log_budget, log_rows_for, preallocated_sizes,
 )
 from .core.layout import (
     NUM_HELD,
@@ -77,7 +77,7 @@ from .core.layout import (
     RETIRED_ROW_BITS,
     ROW_DTYPE,
     SLOTS,
-    STAMP_SERIAL,
+    PAGE_SERIAL,
 )
 
 DeviceTables = namedtuple(
@@ -89,7 +89,7 @@ DeviceTables = namedtuple(
         "tokens",  # int32 [rows, T]
         "slots",  # int32 [rows * L, SLOTS.width]
         "pages",  # int32 [pages, PAGES.width]
-        "page_stamps",  # int64 [pages, PAGE_STAMPS.width]: the pages' LRU ticks and serials
+        "page_stamps",  # int64 [pages, PAGE_STAMPS.width]: the pages' LRU ticks
         "buckets",  # int32 [power of two]: child-index bucket heads (by key)
         "sibling_buckets",  # int32 [power of two]: heads by (parent row, first token)
         "block_free",  # int64 [rows]: free-row stack
@@ -153,8 +153,8 @@ class Tables:
         self.slots[:, 0] = NULL
         # Rows and page indices fit 32 bits (``ROW_DTYPE``): the bucket heads
         # and free lists hold nothing else.
-        self.buckets = xp.full(pow2_at_least(2 * rows), NULL, dtype=ROW_DTYPE)
-        self.sibling_buckets = xp.full(pow2_at_least(2 * rows), NULL, dtype=ROW_DTYPE)
+        self.buckets = xp.full(index_buckets(rows), NULL, dtype=ROW_DTYPE)
+        self.sibling_buckets = xp.full(index_buckets(rows), NULL, dtype=ROW_DTYPE)
         # Pop order: row 0 first, so a young table is easy to read.
         self.block_free = xp.arange(rows - 1, -1, -1, dtype=np.int64)
         self.counters = xp.zeros(COUNTERS.width, dtype=np.int64)
@@ -321,7 +321,7 @@ class Tables:
         self.blocks, self.block_ids, self.digests, self.tokens, self.slots = blocks, block_ids, digests, tokens, slots
         self.block_free = block_free
         self.counters[CNT_BLOCK_FREE_TOP] = free + extra
-        self._rebuild_index(pow2_at_least(2 * new))
+        self._rebuild_index(index_buckets(new))
 
     def _digest_rows(self, rows: int) -> int:
         """Rows of the digest table: one per block row, or none when the
@@ -359,12 +359,12 @@ class Tables:
         return heads
 
     def page_serials(self, rows) -> np.ndarray:
-        """The serials (int64) of the given page rows, as a host array; only
-        those rows leave the device."""
+        """The serials (``PAGE_SERIAL``, as int64) of the given page rows, as
+        a host array; only those rows leave the device."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0:
             return np.zeros(0, dtype=np.int64)
-        return np.array(self.backend.to_host(self.page_stamps[self.backend.to_device(rows), STAMP_SERIAL]))
+        return np.array(self.backend.to_host(self.pages[self.backend.to_device(rows), PAGE_SERIAL]), dtype=np.int64)
 
     # -- multimodal digests -----------------------------------------------------
     def intern_digest(self, digest: bytes) -> int:

@@ -117,15 +117,20 @@ PAGES = Layout(
         ("lru_prev", 1),
         ("lru_next", 1),
         ("lru_list", 1),
+        # The row's allocations so far: tells a page from a later one in the
+        # same row (a planned drop, a cache's page list). Only ever compared
+        # for equality, so 32 bits wrap harmlessly: a stale handle would need
+        # 2**32 allocations of its row to pass for the page it named.
+        ("serial", 1),
     ],
 )
-# The 64-bit fields of each page row, beside PAGES (same row numbers).
+# The 64-bit field of each page row, beside PAGES (same row numbers): a
+# logical clock that a long-running manager must not wrap.
 PAGE_STAMPS = Layout(
     "page_stamps",
     np.int64,
     [
         ("lru_tick", 1),  # when it last became evictable (LRU order)
-        ("serial", 1),  # set at allocation: tells a page from a later one in the same row
     ],
 )
 PAGE_FREE = 0
@@ -442,9 +447,9 @@ PAGE_POOL_INDEX = 8
 PAGE_LRU_PREV = 9
 PAGE_LRU_NEXT = 10
 PAGE_LRU_LIST = 11
+PAGE_SERIAL = 12
 
 STAMP_LRU_TICK = 0
-STAMP_SERIAL = 1
 
 LOG_KIND = 0
 LOG_LIFE_CYCLE = 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 from ..core.layout import (
     CNT_ERROR,
     CNT_NUM_COPIES,
-    CNT_SERIAL,
     CNT_UNLINKS,
     NUM_LEVELS,
     COPY_DST_INDEX,
@@ -34,7 +33,7 @@ from ..core.layout import (
     PAGE_PLANNED_DROPS,
     PAGE_POOL_INDEX,
     PAGE_PRIORITY,
-    STAMP_SERIAL,
+    PAGE_SERIAL,
     PAGE_STATE,
     SLOT_COVERAGE,
     SLOT_PAGE,
@@ -122,8 +121,7 @@ def alloc_page(S, lc, level, priority):
     S.pages[p, PAGE_PRIORITY] = priority
     S.pages[p, PAGE_STATE] = PAGE_COMMITTED
     S.page_stamps[p, STAMP_LRU_TICK] = NULL
-    S.page_stamps[p, STAMP_SERIAL] = S.counters[CNT_SERIAL]
-    S.counters[CNT_SERIAL] += 1
+    S.pages[p, PAGE_SERIAL] += 1  # a new page in this row
     return p
 
 

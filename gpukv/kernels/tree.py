@@ -52,7 +52,7 @@ from ..core.layout import (
     PAGE_COVERAGE,
     PAGE_HOLDERS,
     PAGE_PLANNED_DROPS,
-    STAMP_SERIAL,
+    PAGE_SERIAL,
     PAGE_STATE,
     UNLINK_BLOCK,
     UNLINK_EXPECTED,
@@ -179,7 +179,7 @@ def drop_planned(S, p, serial):
     """A plan naming ``p`` is carried out: the page dies when that was the last
     plan and nobody holds it. Nothing happens when the row holds another page
     now (``serial``) or the page died meanwhile."""
-    if S.page_stamps[p, STAMP_SERIAL] != serial or S.pages[p, PAGE_STATE] != PAGE_COMMITTED:
+    if S.pages[p, PAGE_SERIAL] != serial or S.pages[p, PAGE_STATE] != PAGE_COMMITTED:
         return
     S.pages[p, PAGE_PLANNED_DROPS] -= 1
     if S.pages[p, PAGE_PLANNED_DROPS] == 0 and S.pages[p, PAGE_HOLDERS] == 0:
