@@ -56,21 +56,22 @@ from .core.layout import (
     PAGE_COVERAGE,
     PAGE_FREE,
     PAGE_HOLDERS,
-    PAGE_LEVEL,
+    PAGE_INFO,
     PAGE_LOCKS,
     PAGE_LRU_LIST,
     PAGE_LRU_NEXT,
     PAGE_LRU_PREV,
     PAGE_POOL_INDEX,
-    PAGE_PRIORITY,
     PAGE_SERIAL,
     STAMP_LRU_TICK,
-    PAGE_STATE,
     PAGE_STAMPS,
     PAGES,
     SLOT_COVERAGE,
     SLOT_PAGE,
     SLOTS,
+    info_level,
+    info_priority,
+    info_state,
     slot_row,
 )
 from .tree import BlockRef
@@ -87,8 +88,8 @@ def tables(mgr) -> dict:
     """The device tables as NumPy structured arrays with named fields.
 
     ``blocks`` with ``block_ids`` (the same rows: key, serial), ``slots``
-    (row = block * num_life_cycles + life cycle), ``pages`` with
-    ``page_stamps`` (the same rows: LRU tick) and ``log``;
+    (row = block * num_life_cycles + life cycle), ``pages`` (decoded:
+    ``pages_view``) with ``page_stamps`` (the same rows: LRU tick) and ``log``;
     ``tokens`` is the plain [rows, T] token array and ``digests`` the plain
     [rows, 4] int64 SHA-256 chain keys ([0, 4] with ``block_digests`` off).
     ``block_slots`` is ``slots`` shaped [block rows, life cycles], so
@@ -109,12 +110,28 @@ def tables(mgr) -> dict:
         "tokens": np.array(h(t.tokens)),
         "slots": slots,
         "block_slots": slots.reshape(blocks.shape[0], len(mgr.config.life_cycles)),
-        "pages": PAGES.view(h(t.pages)),
+        "pages": pages_view(h(t.pages)),
         "page_stamps": PAGE_STAMPS.view(h(t.page_stamps)),
         "log": LOG.view(h(t.log)),
         "lru_lists": LRU_LISTS.view(h(t.lru_lists)),
         "lru_groups": LRU_GROUPS.view(h(t.lru_groups)),
     }
+
+
+def pages_view(raw) -> np.ndarray:
+    """A host copy of the page table as a structured array: its stored
+    fields and, decoded from ``info``, each page's ``state``, ``level`` and
+    ``priority``."""
+    stored = PAGES.view(raw)
+    out = np.empty(stored.shape[0], dtype=_PAGES_DECODED)
+    for name in PAGES.record.names:
+        out[name] = stored[name]
+    info = stored["info"]
+    out["state"], out["level"], out["priority"] = info_state(info), info_level(info), info_priority(info)
+    return out
+
+
+_PAGES_DECODED = np.dtype(PAGES.record.descr + [(f, PAGES.dtype) for f in ("state", "level", "priority")])
 
 
 def lru_group_row(life_cycle_id: int, level: int, held: bool) -> int:
@@ -436,7 +453,7 @@ def check_sanity(mgr):
     for pg in linked:
         r = raw_pages[pg, PAGE_BLOCK]
         lc = page_lc[pg]
-        if raw_pages[pg, PAGE_STATE] != PAGE_COMMITTED or slots[slot_row(r, lc, L)]["page"] != pg:
+        if info_state(raw_pages[pg, PAGE_INFO]) != PAGE_COMMITTED or slots[slot_row(r, lc, L)]["page"] != pg:
             fail(7, f"page {pg} points at ({r}, {lc}) but that slot does not hold it")
         if raw_pages[pg, PAGE_COVERAGE] < 1:
             fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
@@ -454,8 +471,9 @@ def _check_eviction_lists(mgr, pages, page_lc, fail):
     h = mgr._backend.to_host
     lists, groups, pool_size = h(t.lru_lists), h(t.lru_groups), h(t.pool_size)
     n = pages.shape[0]
-    lc, level, state = page_lc, pages[:, PAGE_LEVEL], pages[:, PAGE_STATE]
-    holders, priority = pages[:, PAGE_HOLDERS], pages[:, PAGE_PRIORITY]
+    info = pages[:, PAGE_INFO]
+    lc, level, state, priority = page_lc, info_level(info), info_state(info), info_priority(info)
+    holders = pages[:, PAGE_HOLDERS]
     tick = h(t.page_stamps)[:, STAMP_LRU_TICK]
     has_host = pool_size[(lc * NUM_LEVELS + 1).clip(0, pool_size.size - 1)] > 0
     evictable = (state != PAGE_FREE) & (pages[:, PAGE_LOCKS] == 0) & np.where(
@@ -506,10 +524,11 @@ def _check_pools(mgr, pages, fail):
     h = mgr._backend.to_host
     pool_top, pool_start, pool_size = h(t.pool_top), h(t.pool_start), h(t.pool_size)
     page_free, row_free, row_start, row_top = h(t.page_free), h(t.row_free), h(t.row_start), h(t.row_top)
-    live = pages[:, PAGE_STATE] != PAGE_FREE
+    live = info_state(pages[:, PAGE_INFO]) != PAGE_FREE
+    level = info_level(pages[:, PAGE_INFO])
     if (pages[live, PAGE_LOCKS] < 0).any() or (pages[live, PAGE_LOCKS] > pages[live, PAGE_HOLDERS]).any():
         fail(9, "a page has negative locks or more locks than holders")
-    if (pages[live & (pages[:, PAGE_LOCKS] > 0), PAGE_LEVEL] != 0).any():
+    if (level[live & (pages[:, PAGE_LOCKS] > 0)] != 0).any():
         fail(9, "a locked page is not on the GPU")
     for lc in range(len(mgr.config.life_cycles)):
         n_rows = int(pool_size[2 * lc] + pool_size[2 * lc + 1])
@@ -517,13 +536,13 @@ def _check_pools(mgr, pages, fail):
         free_rows = row_free[row_start[lc]:row_start[lc] + row_top[lc]]
         if sorted(free_rows.tolist()) != sorted(rows[~live[rows]].tolist()):
             fail(9, f"life cycle {lc}: the free page rows do not match the free pages")
-        for level in range(2):
-            pool = 2 * lc + level
-            in_pool = rows[live[rows] & (pages[rows, PAGE_LEVEL] == level)]
+        for lv in range(2):
+            pool = 2 * lc + lv
+            in_pool = rows[live[rows] & (level[rows] == lv)]
             used = pages[in_pool, PAGE_POOL_INDEX]
             free = page_free[pool_start[pool]:pool_start[pool] + pool_top[pool]]
             if sorted(np.concatenate([used, free]).tolist()) != list(range(int(pool_size[pool]))):
-                fail(9, f"life cycle {lc} level {level}: storage slots are not each used or free exactly once")
+                fail(9, f"life cycle {lc} level {lv}: storage slots are not each used or free exactly once")
 
 
 def _check_monotone_coverage(mgr, slots, raw, ids, digs, in_use, L):
@@ -619,7 +638,7 @@ def committed_page_is_linked(kv, ordinal: int, life_cycle_id: int):
     if p == NULL:
         return None
     row = kv._backend.to_host(kv._mgr._tables.pages[p])
-    if row[PAGE_STATE] != PAGE_COMMITTED:
+    if info_state(row[PAGE_INFO]) != PAGE_COMMITTED:
         return None
     return bool(row[PAGE_BLOCK] != NULL)
 
@@ -643,7 +662,7 @@ def planned_pages(plan) -> list:
     life_cycles = page_life_cycles(tables)
     out = []
     for p, serial in plan._pages:
-        if serials[p] == serial and rows[p, PAGE_STATE] == PAGE_COMMITTED:
+        if serials[p] == serial and info_state(rows[p, PAGE_INFO]) == PAGE_COMMITTED:
             out.append((int(life_cycles[p]), int(rows[p, PAGE_POOL_INDEX])))
     return out
 

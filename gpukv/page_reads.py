@@ -26,12 +26,13 @@ import numpy as np
 from . import inputs
 from .cache_pool import ranges
 from .core.layout import (
-    NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_PAGE, slot_row,
+    NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_INFO, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_PAGE, info_level, slot_row,
 )
 
-# The page table columns each read gathers (one gather of just those columns).
-_LEVEL_AND_INDEX = np.array([PAGE_LEVEL, PAGE_POOL_INDEX])
-_LEVEL_INDEX_HOLDERS_LOCKS = np.array([PAGE_LEVEL, PAGE_POOL_INDEX, PAGE_HOLDERS, PAGE_LOCKS])
+# The page table columns each read gathers (one gather of just those columns;
+# a page's level is in its ``info``).
+_LEVEL_AND_INDEX = np.array([PAGE_INFO, PAGE_POOL_INDEX])
+_LEVEL_INDEX_HOLDERS_LOCKS = np.array([PAGE_INFO, PAGE_POOL_INDEX, PAGE_HOLDERS, PAGE_LOCKS])
 
 
 def pool_indices(tables, page_rows: np.ndarray) -> np.ndarray:
@@ -41,7 +42,7 @@ def pool_indices(tables, page_rows: np.ndarray) -> np.ndarray:
     if have.size:
         b = tables.backend
         fields = b.to_host(tables.pages[b.to_device(page_rows[have, None]), _LEVEL_AND_INDEX])
-        on_gpu = fields[:, 0] == 0
+        on_gpu = info_level(fields[:, 0]) == 0
         out[have[on_gpu]] = fields[on_gpu, 1]
     return out
 
@@ -83,7 +84,7 @@ def match_pages(tables, block_rows: np.ndarray, life_cycle_id: int) -> tuple[np.
     have = np.nonzero(page_rows != NULL)[0]
     if have.size:
         fields = b.to_host(tables.pages[b.to_device(page_rows[have, None]), _LEVEL_INDEX_HOLDERS_LOCKS])
-        on_gpu = fields[:, 0] == 0
+        on_gpu = info_level(fields[:, 0]) == 0
         out[have[on_gpu]] = fields[on_gpu, 1]
         held[have] = (fields[:, 2] > 0) | (fields[:, 3] > 0)
     return out, held

@@ -64,7 +64,7 @@ from .core.layout import (
     LRU_GROUPS,
     LRU_LISTS,
     NULL,
-    PAGE_STATE,
+    PAGE_INFO,
     PAGE_FREE,
     PAGE_STAMPS,
     PAGES,
@@ -78,6 +78,7 @@ from .core.layout import (
     ROW_DTYPE,
     SLOTS,
     PAGE_SERIAL,
+    page_info,
 )
 
 DeviceTables = namedtuple(
@@ -169,7 +170,7 @@ class Tables:
         row_starts = np.concatenate([[0], np.cumsum(per_lc)[:-1]]).astype(np.int64)
         total = int(sizes.sum())
         pages = np.full((total, PAGES.width), NULL, dtype=PAGES.dtype)
-        pages[:, PAGE_STATE] = PAGE_FREE
+        pages[:, PAGE_INFO] = page_info(PAGE_FREE, 0, PRIORITY_MIN)
         page_free = np.empty(total, dtype=ROW_DTYPE)
         row_free = np.empty(total, dtype=ROW_DTYPE)
         for pool, (start, size) in enumerate(zip(starts, sizes)):

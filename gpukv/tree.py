@@ -40,8 +40,9 @@ from .core.layout import (
     FLAG_ROOT,
     NULL,
     PAGE_BLOCK,
-    PAGE_STATE,
+    PAGE_INFO,
     PAGE_COMMITTED,
+    info_state,
 )
 from .core.config import DEFAULT_PRIORITY, check_priority
 from .core.scope import ReuseScope, as_scope
@@ -278,7 +279,7 @@ class BlockTree:
             raise TypeError(f"page must be an int page id, got {page!r}")
         if not 0 <= page < pages.shape[0]:
             raise ValueError(f"page {page} does not exist")
-        if int(self.backend.to_host(pages[page, PAGE_STATE])) != PAGE_COMMITTED:
+        if info_state(int(self.backend.to_host(pages[page, PAGE_INFO]))) != PAGE_COMMITTED:
             raise ValueError(f"page {page} is not a committed page")
         self._op(OP_PAGE_DEATH, (page,))
 

@@ -104,12 +104,12 @@ PAGES = Layout(
         # Its life cycle is not a field: each owns a run of rows (``row_start``).
         ("block", 1),  # the block whose slot links this page; NULL = unlinked
         ("coverage", 1),  # leading tokens of its block this page holds valid data for
-        ("level", 1),  # cache level: 0 = GPU, 1 = host
-        ("priority", 1),  # eviction priority 0..100
+        # Its state (PAGE_* below), cache level (0 = GPU, 1 = host) and
+        # eviction priority, packed (``page_info`` below).
+        ("info", 1),
         ("holders", 1),  # sequences holding the page
         ("locks", 1),  # sequences holding it locked on the GPU
         ("planned_drops", 1),
-        ("state", 1),  # PAGE_* below
         ("pool_index", 1),  # its index in the life cycle's pool of its level
         # Its place among the eviction candidates (kernels/lru.py): the
         # neighbours in its list, oldest first, and the list; NULL when it
@@ -136,6 +136,38 @@ PAGE_STAMPS = Layout(
 PAGE_FREE = 0
 PAGE_UNCOMMITTED = 1
 PAGE_COMMITTED = 2
+# A page's ``info``: its state in the low two bits, its cache level in the
+# next, its priority above (less PRIORITY_MIN: 7 bits). Three fields in one
+# word, read and written only through these functions, which the kernels
+# compile (``kernels/pages.py``) and the host applies to whole columns.
+INFO_LEVEL_SHIFT = 2
+INFO_PRIORITY_SHIFT = 3
+
+
+def page_info(state, level, priority):
+    """The ``info`` word of a page in ``state`` at ``level`` of ``priority``."""
+    return state | (level << INFO_LEVEL_SHIFT) | ((priority - PRIORITY_MIN) << INFO_PRIORITY_SHIFT)
+
+
+def info_state(info):
+    return info & ((1 << INFO_LEVEL_SHIFT) - 1)
+
+
+def info_level(info):
+    return (info >> INFO_LEVEL_SHIFT) & 1
+
+
+def info_priority(info):
+    return (info >> INFO_PRIORITY_SHIFT) + PRIORITY_MIN
+
+
+def with_state(info, state):
+    return (info & ~((1 << INFO_LEVEL_SHIFT) - 1)) | state
+
+
+def with_level(info, level):
+    return (info & ~(1 << INFO_LEVEL_SHIFT)) | (level << INFO_LEVEL_SHIFT)
+
 
 # The tree's change log, drained by the host after each launch: the raw
 # material of KV cache events (``events.py``) and of tests that watch the tree.
@@ -437,17 +469,15 @@ SLOT_COVERAGE = 1
 
 PAGE_BLOCK = 0
 PAGE_COVERAGE = 1
-PAGE_LEVEL = 2
-PAGE_PRIORITY = 3
-PAGE_HOLDERS = 4
-PAGE_LOCKS = 5
-PAGE_PLANNED_DROPS = 6
-PAGE_STATE = 7
-PAGE_POOL_INDEX = 8
-PAGE_LRU_PREV = 9
-PAGE_LRU_NEXT = 10
-PAGE_LRU_LIST = 11
-PAGE_SERIAL = 12
+PAGE_INFO = 2
+PAGE_HOLDERS = 3
+PAGE_LOCKS = 4
+PAGE_PLANNED_DROPS = 5
+PAGE_POOL_INDEX = 6
+PAGE_LRU_PREV = 7
+PAGE_LRU_NEXT = 8
+PAGE_LRU_LIST = 9
+PAGE_SERIAL = 10
 
 STAMP_LRU_TICK = 0
 

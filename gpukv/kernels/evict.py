@@ -31,12 +31,9 @@ from ..core.layout import (
     PAGE_COVERAGE,
     PAGE_FREE,
     PAGE_HOLDERS,
-    PAGE_LEVEL,
     PAGE_LOCKS,
     PAGE_LRU_LIST,
     PAGE_POOL_INDEX,
-    PAGE_PRIORITY,
-    PAGE_STATE,
     STAMP_LRU_TICK,
 )
 from .link import helper
@@ -48,12 +45,16 @@ from .pages import (
     can_replace_page,
     free_page,
     last_level,
+    page_level,
     page_life_cycle,
+    page_priority,
+    page_state,
     pool_of,
     pop_storage,
     push_storage,
     record_copy,
     replace_page,
+    set_page_level,
 )
 
 
@@ -62,11 +63,11 @@ def evictable(S, p):
     """(DROPPABLE and committed) or (HELD and not at the last level, committed
     or not: a suspended sequence's uncommitted pages migrate too); a LOCKED
     page never is, nor a free row."""
-    if S.pages[p, PAGE_STATE] == PAGE_FREE or S.pages[p, PAGE_LOCKS] != 0:
+    if page_state(S, p) == PAGE_FREE or S.pages[p, PAGE_LOCKS] != 0:
         return False
     if S.pages[p, PAGE_HOLDERS] == 0:
-        return S.pages[p, PAGE_STATE] == PAGE_COMMITTED  # an unheld uncommitted page is already dead
-    return S.pages[p, PAGE_LEVEL] < last_level(S, page_life_cycle(S, p))
+        return page_state(S, p) == PAGE_COMMITTED  # an unheld uncommitted page is already dead
+    return page_level(S, p) < last_level(S, page_life_cycle(S, p))
 
 
 @helper
@@ -74,9 +75,9 @@ def candidate_list(S, p):
     """The list ``p`` belongs in, or NULL when it is no eviction candidate."""
     if not evictable(S, p):
         return NULL
-    group = lru_group(pool_of(page_life_cycle(S, p), S.pages[p, PAGE_LEVEL]),
+    group = lru_group(pool_of(page_life_cycle(S, p), page_level(S, p)),
                       1 if S.pages[p, PAGE_HOLDERS] > 0 else 0)
-    return lru_list(group, S.pages[p, PAGE_PRIORITY])
+    return lru_list(group, page_priority(S, p))
 
 
 @helper
@@ -120,8 +121,8 @@ def evicts_before(S, p, q):
     """Eviction order: lower priority first, then least recently scheduled."""
     if q == NULL:
         return True
-    a = S.pages[p, PAGE_PRIORITY]
-    b = S.pages[q, PAGE_PRIORITY]
+    a = page_priority(S, p)
+    b = page_priority(S, q)
     return a < b or (a == b and S.page_stamps[p, STAMP_LRU_TICK] < S.page_stamps[q, STAMP_LRU_TICK])
 
 
@@ -144,12 +145,12 @@ def move_page(S, p, level):
     """Migrate ``p`` to a free slot at ``level``: the same page row, the same
     block link, its data copied; an updated event when it is linked."""
     lc = page_life_cycle(S, p)
-    old = S.pages[p, PAGE_LEVEL]
+    old = page_level(S, p)
     index = S.pages[p, PAGE_POOL_INDEX]
     new_index = pop_storage(S, lc, level)
     record_copy(S, lc, old, index, level, new_index)
     push_storage(S, lc, old, index)
-    S.pages[p, PAGE_LEVEL] = level
+    set_page_level(S, p, level)
     S.pages[p, PAGE_POOL_INDEX] = new_index
     r = S.pages[p, PAGE_BLOCK]
     if r != NULL and is_attached(S, r):
@@ -157,7 +158,7 @@ def move_page(S, p, level):
         if m != NULL:
             S.log[m, LOG_OLD_LEVEL] = old
             S.log[m, LOG_LEVEL] = level
-            S.log[m, LOG_PRIORITY] = S.pages[p, PAGE_PRIORITY]
+            S.log[m, LOG_PRIORITY] = page_priority(S, p)
     schedule(S, p)
 
 
@@ -195,7 +196,7 @@ def make_room(S, lc, level, need):
             S.counters[CNT_EVICTED] += 1
         if level < last_level(S, lc):
             if room_on_host(S, lc):
-                if S.pages[v, PAGE_STATE] != PAGE_FREE:  # dropping host pages may have killed it
+                if page_state(S, v) != PAGE_FREE:  # dropping host pages may have killed it
                     S.counters[CNT_MIGRATED] += 1
                     move_page(S, v, 1)
                 continue

@@ -28,14 +28,12 @@ from ..core.layout import (
     LOG_PRIORITY,
     LOG_TOKENS_AT,
     NULL,
-    PAGE_LEVEL,
-    PAGE_PRIORITY,
     POLICY_BLOCK_DIGESTS,
     POLICY_LOG_RECORDS,
 )
 from .link import helper
 from .index import is_root
-from .pages import coverage, page_of
+from .pages import coverage, page_level, page_of, page_priority
 
 
 @helper
@@ -91,5 +89,5 @@ def announce(S, r, kind, lc):
         m = log(S, EV_PAGE_INFO, r, l2)
         if m != NULL:
             S.log[m, LOG_COVERS] = 1 if coverage(S, r, l2) >= nt else 0
-            S.log[m, LOG_LEVEL] = S.pages[p, PAGE_LEVEL]
-            S.log[m, LOG_PRIORITY] = S.pages[p, PAGE_PRIORITY]
+            S.log[m, LOG_LEVEL] = page_level(S, p)
+            S.log[m, LOG_PRIORITY] = page_priority(S, p)

@@ -27,23 +27,55 @@ from ..core.layout import (
     PAGE_COVERAGE,
     PAGE_FREE,
     PAGE_HOLDERS,
-    PAGE_LEVEL,
+    PAGE_INFO,
     PAGE_LOCKS,
     STAMP_LRU_TICK,
     PAGE_PLANNED_DROPS,
     PAGE_POOL_INDEX,
-    PAGE_PRIORITY,
     PAGE_SERIAL,
-    PAGE_STATE,
     SLOT_COVERAGE,
     SLOT_PAGE,
+    info_level,
+    info_priority,
+    info_state,
+    page_info,
     slot_row,
+    with_level,
+    with_state,
 )
 from .link import helper
 from .lru import lru_unlink
 
 
-helper(slot_row)  # core/layout.py's row arithmetic, compiled for kernels too
+# core/layout.py's row arithmetic and page-info bits, compiled for kernels too.
+for _f in (slot_row, page_info, info_state, info_level, info_priority, with_state, with_level):
+    helper(_f)
+del _f
+
+
+@helper
+def page_state(S, p):
+    return info_state(S.pages[p, PAGE_INFO])
+
+
+@helper
+def page_level(S, p):
+    return info_level(S.pages[p, PAGE_INFO])
+
+
+@helper
+def page_priority(S, p):
+    return info_priority(S.pages[p, PAGE_INFO])
+
+
+@helper
+def set_page_state(S, p, state):
+    S.pages[p, PAGE_INFO] = with_state(S.pages[p, PAGE_INFO], state)
+
+
+@helper
+def set_page_level(S, p, level):
+    S.pages[p, PAGE_INFO] = with_level(S.pages[p, PAGE_INFO], level)
 
 
 @helper
@@ -111,15 +143,13 @@ def alloc_page(S, lc, level, priority):
     top = S.row_top[lc] - 1
     S.row_top[lc] = top
     p = S.row_free[S.row_start[lc] + top]
-    S.pages[p, PAGE_LEVEL] = level
+    S.pages[p, PAGE_INFO] = page_info(PAGE_COMMITTED, level, priority)
     S.pages[p, PAGE_POOL_INDEX] = pop_storage(S, lc, level)
     S.pages[p, PAGE_BLOCK] = NULL
     S.pages[p, PAGE_COVERAGE] = 0
     S.pages[p, PAGE_HOLDERS] = 0
     S.pages[p, PAGE_LOCKS] = 0
     S.pages[p, PAGE_PLANNED_DROPS] = 0
-    S.pages[p, PAGE_PRIORITY] = priority
-    S.pages[p, PAGE_STATE] = PAGE_COMMITTED
     S.page_stamps[p, STAMP_LRU_TICK] = NULL
     S.pages[p, PAGE_SERIAL] += 1  # a new page in this row
     return p
@@ -129,14 +159,13 @@ def alloc_page(S, lc, level, priority):
 def free_page(S, p):
     lc = page_life_cycle(S, p)
     lru_unlink(S, p)  # a free row is never an eviction candidate
-    push_storage(S, lc, S.pages[p, PAGE_LEVEL], S.pages[p, PAGE_POOL_INDEX])
+    push_storage(S, lc, page_level(S, p), S.pages[p, PAGE_POOL_INDEX])
     top = S.row_top[lc]
     S.row_free[S.row_start[lc] + top] = p
     S.row_top[lc] = top + 1
-    S.pages[p, PAGE_STATE] = PAGE_FREE
+    S.pages[p, PAGE_INFO] = page_info(PAGE_FREE, 0, page_priority(S, p))
     S.pages[p, PAGE_BLOCK] = NULL
     S.pages[p, PAGE_COVERAGE] = 0
-    S.pages[p, PAGE_LEVEL] = NULL
     S.pages[p, PAGE_POOL_INDEX] = NULL
 
 
@@ -157,8 +186,8 @@ def record_copy(S, lc, src_level, src_index, dst_level, dst_index):
 
 @helper
 def copy_page_data(S, src, dst):
-    record_copy(S, page_life_cycle(S, src), S.pages[src, PAGE_LEVEL], S.pages[src, PAGE_POOL_INDEX],
-                S.pages[dst, PAGE_LEVEL], S.pages[dst, PAGE_POOL_INDEX])
+    record_copy(S, page_life_cycle(S, src), page_level(S, src), S.pages[src, PAGE_POOL_INDEX],
+                page_level(S, dst), S.pages[dst, PAGE_POOL_INDEX])
 
 
 @helper

@@ -26,7 +26,6 @@ from ..core.layout import (
     OUT_IS_NEW,
     PAGE_HOLDERS,
     PAGE_LOCKS,
-    PAGE_STATE,
     PAGE_UNCOMMITTED,
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_STABLE_PAGES,
@@ -52,7 +51,7 @@ from .keys import combine, content_hash
 from .prefetch import prefetch1
 from .lifecycle import is_stale, stale_end, stale_start
 from .log import announce
-from .pages import alloc_page, can_replace_page, copy_page_data, coverage, page_of, replace_page
+from .pages import alloc_page, can_replace_page, copy_page_data, coverage, page_of, page_state, replace_page
 from .seq_hold import commit_page, drop_entry, hold, ref_block, release, set_entry, set_tree, to_gpu, unref_block
 from .seq_resize import resize
 
@@ -197,7 +196,7 @@ def commit_block(S, Q, o, last, ssm, move_ssm, out):
     if is_new:
         for lc in range(L):
             p = Q.pages[o, lc]
-            if is_checkpoint(S.lc_kind[lc]) or p == NULL or S.pages[p, PAGE_STATE] != PAGE_UNCOMMITTED:
+            if is_checkpoint(S.lc_kind[lc]) or p == NULL or page_state(S, p) != PAGE_UNCOMMITTED:
                 continue
             commit_page(S, p, n)
             replace_page(S, tb, lc, p)  # replaces any narrower page tb adopted

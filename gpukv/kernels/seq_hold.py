@@ -20,9 +20,7 @@ from ..core.layout import (
     PAGE_COMMITTED,
     PAGE_COVERAGE,
     PAGE_HOLDERS,
-    PAGE_LEVEL,
     PAGE_LOCKS,
-    PAGE_STATE,
     PAGE_UNCOMMITTED,
     Q_EVICT_FIRST,
     Q_NUM_BLOCKS,
@@ -33,7 +31,7 @@ from .link import helper
 from .blocks import maybe_free_orphan, page_death
 from .evict import lru_update, make_room, move_page, schedule, schedule_first
 from .index import is_attached
-from .pages import alloc_page, free_page, page_life_cycle
+from .pages import alloc_page, free_page, page_level, page_life_cycle, page_state, set_page_state
 
 
 @helper
@@ -56,7 +54,7 @@ def release(S, Q, p, kind):
         if kind == LOCK and S.pages[p, PAGE_LOCKS] == 0:
             schedule(S, p)  # held, unlocked (committed or not): evictable when a colder level exists
         return  # otherwise still held (or still locked): its candidacy is unchanged
-    if S.pages[p, PAGE_STATE] == PAGE_UNCOMMITTED:
+    if page_state(S, p) == PAGE_UNCOMMITTED:
         free_page(S, p)
         return
     if Q.scalars[Q_EVICT_FIRST] == 1:
@@ -107,7 +105,7 @@ def set_tree(S, Q, o, r):
 @helper
 def commit_page(S, p, cov):
     """An uncommitted page becomes a committed page (same slot, same data)."""
-    S.pages[p, PAGE_STATE] = PAGE_COMMITTED
+    set_page_state(S, p, PAGE_COMMITTED)
     S.pages[p, PAGE_COVERAGE] = cov
     S.pages[p, PAGE_BLOCK] = NULL
 
@@ -121,7 +119,7 @@ def new_page(S, lc, state, priority):
     p = alloc_page(S, lc, 0, priority)
     if p == NULL:
         return NULL
-    S.pages[p, PAGE_STATE] = state
+    set_page_state(S, p, state)
     return p
 
 
@@ -140,7 +138,7 @@ def promised_page(S, lc, priority):
 @helper
 def to_gpu(S, p):
     """A page about to be locked comes back from the host tier."""
-    if S.pages[p, PAGE_LEVEL] != 0 and make_room(S, page_life_cycle(S, p), 0, 1):
+    if page_level(S, p) != 0 and make_room(S, page_life_cycle(S, p), 0, 1):
         move_page(S, p, 0)
 
 

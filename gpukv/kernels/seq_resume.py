@@ -16,7 +16,6 @@ from ..core.layout import (
     HOLD,
     LOCK,
     NULL,
-    PAGE_LEVEL,
     Q_CAPACITY,
     Q_COMMITTED,
     Q_COMMITTED_BLOCKS,
@@ -32,7 +31,7 @@ from ..core.layout import (
 from .link import helper
 from .evict import can_have, evictable
 from .lifecycle import is_stale
-from .pages import copy_page_data, page_life_cycle, page_of
+from .pages import copy_page_data, page_level, page_life_cycle, page_of
 from .seq_hold import hold, promised_page, release, set_all_kinds, set_entry, set_tree, to_gpu
 from .seq_resize import release_scratch, resize
 
@@ -74,13 +73,13 @@ def pages_off_gpu(S, Q, lc):
     for o in range(Q.scalars[Q_NUM_BLOCKS]):
         p = Q.pages[o, lc]
         if p != NULL:
-            if S.pages[p, PAGE_LEVEL] != 0:
+            if page_level(S, p) != 0:
                 off += 1
             elif evictable(S, p):
                 held += 1
     p = Q.scalars[Q_SSM_PAGE]
     if p != NULL and page_life_cycle(S, p) == lc:
-        if S.pages[p, PAGE_LEVEL] != 0:
+        if page_level(S, p) != 0:
             off += 1
         elif evictable(S, p):
             held += 1

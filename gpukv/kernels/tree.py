@@ -53,7 +53,6 @@ from ..core.layout import (
     PAGE_HOLDERS,
     PAGE_PLANNED_DROPS,
     PAGE_SERIAL,
-    PAGE_STATE,
     UNLINK_BLOCK,
     UNLINK_EXPECTED,
     UNLINK_LIFE_CYCLE,
@@ -71,7 +70,7 @@ from .evict import begin_launch, install_page, lru_update, make_room, schedule
 from .index import is_root
 from .link import helper, link
 from .log import announce
-from .pages import alloc_page, can_replace_page, page_of, replace_page, unlink_page
+from .pages import alloc_page, can_replace_page, page_of, page_state, replace_page, unlink_page
 
 __all__ = ["build_tree_kernel"]  # with the OP_* codes
 
@@ -179,7 +178,7 @@ def drop_planned(S, p, serial):
     """A plan naming ``p`` is carried out: the page dies when that was the last
     plan and nobody holds it. Nothing happens when the row holds another page
     now (``serial``) or the page died meanwhile."""
-    if S.pages[p, PAGE_SERIAL] != serial or S.pages[p, PAGE_STATE] != PAGE_COMMITTED:
+    if S.pages[p, PAGE_SERIAL] != serial or page_state(S, p) != PAGE_COMMITTED:
         return
     S.pages[p, PAGE_PLANNED_DROPS] -= 1
     if S.pages[p, PAGE_PLANNED_DROPS] == 0 and S.pages[p, PAGE_HOLDERS] == 0:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpukv import Attention
-from gpukv.core.layout import PAGE_FREE, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LOCKS, PAGE_POOL_INDEX, PAGE_STATE
+from gpukv import Attention, introspect
+from gpukv.core.layout import PAGE_FREE
 
 from tests.support.backends import make_manager
 
@@ -74,11 +74,11 @@ def test_match_pages_gives_each_blocks_page_and_whether_it_is_held(backend):
     # Blocks 0 and 1 are the reusing cache's first pages (held); block 2 is cached, unheld.
     assert pages[:2].tolist() == caches[0].page_indices(0)[:2].tolist()
     assert held.tolist() == [True, True, False]
-    table = np.asarray(mgr._backend.to_host(mgr._tables.pages))
-    by_index = {int(r[PAGE_POOL_INDEX]): r for r in table if r[PAGE_STATE] != PAGE_FREE and r[PAGE_LEVEL] == 0}
+    table = introspect.tables(mgr)["pages"]
+    by_index = {int(r["pool_index"]): r for r in table if r["state"] != PAGE_FREE and r["level"] == 0}
     for p, h in zip(pages.tolist(), held.tolist()):
         r = by_index[p]
-        assert h == bool(r[PAGE_HOLDERS] > 0 or r[PAGE_LOCKS] > 0)
+        assert h == bool(r["holders"] > 0 or r["locks"] > 0)
     caches[0].close()
     assert mgr.match_pages(rows)[1].tolist() == [False, False, False]
     assert mgr.match_pages(np.zeros(0, dtype=np.int64))[0].size == 0

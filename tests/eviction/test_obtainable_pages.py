@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from gpukv import Attention, introspect
-from gpukv.core.layout import PAGE_FREE, PAGE_HOLDERS, PAGE_LEVEL, PAGE_LOCKS, PAGE_STATE, PAGE_COMMITTED
+from gpukv.core.layout import PAGE_FREE, PAGE_COMMITTED
 from gpukv.introspect import page_life_cycles
 
 from tests.support.backends import make_manager
@@ -21,12 +21,12 @@ T = 4
 def counted_by_hand(mgr, lc, level):
     """Pages of the pool no allocation may take are the locked ones, and the
     held ones where they cannot move down a level; the rest are obtainable."""
-    rows = mgr._backend.to_host(mgr._tables.pages)
+    rows = introspect.tables(mgr)["pages"]
     mine = rows[page_life_cycles(mgr._tables) == lc]
     size = int(mgr.config.pages_per_life_cycle_list(host=level == 1)[lc])
-    live = mine[(mine[:, PAGE_STATE] != PAGE_FREE) & (mine[:, PAGE_LEVEL] == level)]
-    unheld = (live[:, PAGE_HOLDERS] == 0) & (live[:, PAGE_STATE] == PAGE_COMMITTED)
-    held = (live[:, PAGE_HOLDERS] > 0) & (live[:, PAGE_LOCKS] == 0)
+    live = mine[(mine["state"] != PAGE_FREE) & (mine["level"] == level)]
+    unheld = (live["holders"] == 0) & (live["state"] == PAGE_COMMITTED)
+    held = (live["holders"] > 0) & (live["locks"] == 0)
     n = size - len(live) + int(unheld.sum())
     if level == 0 and mgr.config.pages_per_life_cycle_list(host=True)[lc] > 0:
         n += min(int(held.sum()), counted_by_hand(mgr, lc, 1))
