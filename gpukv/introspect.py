@@ -26,7 +26,6 @@ from .core.layout import (
     NUM_LEVELS,
     NUM_PRIORITIES,
     BID_KEY,
-    BID_SERIAL,
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
@@ -37,6 +36,7 @@ from .core.layout import (
     BLK_ORDINAL,
     BLK_PARENT,
     BLK_SCOPE,
+    BLK_SERIAL,
     BLOCK_IDS,
     BLOCKS,
     CNT_DETACHES,
@@ -87,7 +87,7 @@ def page_life_cycles(tables) -> np.ndarray:
 def tables(mgr) -> dict:
     """The device tables as NumPy structured arrays with named fields.
 
-    ``blocks`` with ``block_ids`` (the same rows: key, serial), ``slots``
+    ``blocks`` with ``block_ids`` (the same rows: the chain key), ``slots``
     (row = block * num_life_cycles + life cycle), ``pages`` (decoded:
     ``pages_view``) with ``page_stamps`` (the same rows: LRU tick) and ``log``;
     ``tokens`` is the plain [rows, T] token array and ``digests`` the plain
@@ -558,7 +558,7 @@ def _check_monotone_coverage(mgr, slots, raw, ids, digs, in_use, L):
     for r in in_use:
         if raw[r, BLK_FLAGS] & FLAG_ROOT or not raw[r, BLK_FLAGS] & FLAG_ATTACHED:
             continue
-        key = int64x4_to_digest(digs[r]) if mgr.config.block_digests else int(ids[r, BID_SERIAL])
+        key = int64x4_to_digest(digs[r]) if mgr.config.block_digests else int(raw[r, BLK_SERIAL])
         for lc in range(L):
             pg, cov = slots[slot_row(r, lc, L)]
             if pg == NULL:
@@ -615,7 +615,7 @@ def dump(mgr) -> str:
                 else f"{slots[slot_row(r, lc, L), SLOT_PAGE]}:{slots[slot_row(r, lc, L), SLOT_COVERAGE]}"
                 for lc in range(L)
             )
-            key = int64x4_to_digest(digs[r]).hex()[:8] if digests else f"#{ids[r, BID_SERIAL]}"
+            key = int64x4_to_digest(digs[r]).hex()[:8] if digests else f"#{raw[r, BLK_SERIAL]}"
             lines.append(f"{'  ' * depth}B{raw[r, BLK_ORDINAL]}/{n} row {r} {key} {shown}{tail} [{pages}]")
             stack.append((raw[r, BLK_FIRST_CHILD], depth + 1))
     return "\n".join(lines) if lines else "(empty tree)"

@@ -67,7 +67,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
     256 rows the tables start with when it is None). Per-table sizes:
 
     - per block row ``r``: ``blocks`` (its layout width, int32), ``block_ids``
-      (the 64-bit key and serial), ``digests`` (the 32-byte SHA-256 chain key,
+      (the 64-bit chain key), ``digests`` (the 32-byte SHA-256 chain key,
       none without ``block_digests``), ``tokens``
       (``T`` int32), ``slots`` (one row per life cycle, int32), ``block_free``
       (int64: it also holds a launch's retired rows), and two child-index

@@ -85,7 +85,7 @@ DeviceTables = namedtuple(
     "DeviceTables",
     [
         "blocks",  # int32 [rows, BLOCKS.width]
-        "block_ids",  # int64 [rows, BLOCK_IDS.width]: the blocks' keys and serials
+        "block_ids",  # int64 [rows, BLOCK_IDS.width]: the blocks' chain keys
         "digests",  # int64 [rows, 4]: their SHA-256 chain keys ([0, 4] without block_digests)
         "tokens",  # int32 [rows, T]
         "slots",  # int32 [rows * L, SLOTS.width]

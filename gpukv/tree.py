@@ -31,9 +31,9 @@ from .kernels.tree import (
     build_tree_kernel,
 )
 from .core.layout import (
-    BID_SERIAL,
     BLK_SCOPE,
     BLK_FLAGS,
+    BLK_SERIAL,
     BLK_NUM_TOKENS,
     FLAG_ATTACHED,
     FLAG_IN_USE,
@@ -175,7 +175,7 @@ class BlockTree:
 
     def key_of(self, r: int) -> bytes:
         if not self.tables.config.block_digests:  # the serial tells a block from a later one in its row
-            return int(self.backend.to_host(self.tables.block_ids[r, BID_SERIAL])).to_bytes(8, "little", signed=True)
+            return int(self.backend.to_host(self.tables.blocks[r, BLK_SERIAL])).to_bytes(8, "little", signed=True)
         return int64x4_to_digest(self.backend.to_host(self.tables.digests[r]))
 
     def resolve(self, ref: BlockRef, what: str = "block") -> int:

@@ -74,11 +74,17 @@ BLOCKS = Layout(
         ("scope", 1),  # interned reuse-scope id
         ("flags", 1),  # FLAG_* bits below
         ("refs", 1),  # sequences referring to this row (keeps an orphan's row alive)
+        # Creation order (siblings' insertion order), and what tells a block
+        # from a later one in its row. 32 bits that wrap: blocks compare by
+        # the sign of their serials' 32-bit difference (``index.created_before``),
+        # right for any two created fewer than 2**31 creations apart, as
+        # siblings that tie on a match are in any tree an engine keeps.
+        ("serial", 1),
     ],
 )
-# The 64-bit fields of each block row, beside BLOCKS (same row numbers): what
-# names a block. Kept apart so every other field is 32 bits wide. The
-# reference SHA-256 chain key of each row, when the tree keeps one
+# The 64-bit field of each block row, beside BLOCKS (same row numbers): its
+# key, kept apart so every other field is 32 bits wide. The reference
+# SHA-256 chain key of each row, when the tree keeps one
 # (``CacheConfig.block_digests``), is a table of its own too (``digests``,
 # 4 int64 per row, 32 bytes in memory order).
 BLOCK_IDS = Layout(
@@ -86,7 +92,6 @@ BLOCK_IDS = Layout(
     np.int64,
     [
         ("key", 1),  # fast 64-bit chain key: mix(parent key, content hash)
-        ("serial", 1),  # creation order: siblings' insertion order
     ],
 )
 FLAG_IN_USE = 1  # the row holds a block (attached or orphan)
@@ -405,6 +410,12 @@ ADMIT_ARGS = Layout("admit_args", np.int64, [("num_tokens", 1), ("num_blocks", 1
 APPEND_ARGS = Layout("append_args", np.int64, [("first", 1), ("count", 1), ("is_end", 1), ("room", 1)])
 
 
+def as_int32(x):
+    """``x`` modulo 2**32 as a signed 32-bit value: what a wrapping 32-bit
+    field (a block's or a page's serial) stores of a count."""
+    return ((np.int64(x) + 0x80000000) & 0xFFFFFFFF) - 0x80000000  # widened first: an int32 would overflow
+
+
 def slot_row(block, life_cycle, num_life_cycles):
     """The ``slots`` row of (block, life cycle); blocks may be an array (host)
     or a row number (kernels, where it is compiled as a helper)."""
@@ -460,9 +471,9 @@ BLK_ORDINAL = 8
 BLK_SCOPE = 9
 BLK_FLAGS = 10
 BLK_REFS = 11
+BLK_SERIAL = 12
 
 BID_KEY = 0
-BID_SERIAL = 1
 
 SLOT_PAGE = 0
 SLOT_COVERAGE = 1

@@ -16,7 +16,6 @@ from __future__ import annotations
 from ..core.kinds import death_removes_subtree
 from ..core.layout import (
     BID_KEY,
-    BID_SERIAL,
     BID_WIDTH,
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
@@ -30,6 +29,7 @@ from ..core.layout import (
     BLK_PREV_SIBLING,
     BLK_REFS,
     BLK_SCOPE,
+    BLK_SERIAL,
     BLK_WIDTH,
     CNT_BLOCK_FREE_TOP,
     CNT_DETACHES,
@@ -57,10 +57,12 @@ from ..core.layout import (
     RETIRED_REMOVED_FREED,
     RETIRED_ROOT_REMOVED,
     RETIRED_ROW_BITS,
+    as_int32,
 )
 from .dlist import dlist_insert_after, dlist_remove
 from .link import helper
 from .index import (
+    created_before,
     find_child,
     find_root,
     index_insert,
@@ -95,7 +97,7 @@ def alloc_block(S):
     S.blocks[r, BLK_NUM_TOKENS] = 0
     S.blocks[r, BLK_FLAGS] = FLAG_IN_USE
     S.blocks[r, BLK_REFS] = 0
-    S.block_ids[r, BID_SERIAL] = S.counters[CNT_SERIAL]
+    S.blocks[r, BLK_SERIAL] = as_int32(S.counters[CNT_SERIAL])
     S.counters[CNT_SERIAL] += 1
     L = S.lc_kind.shape[0]
     for lc in range(L):
@@ -244,7 +246,7 @@ def clear_tree(S):
         r = NULL
         for c in range(S.blocks.shape[0]):  # the oldest remaining root
             if (S.blocks[c, BLK_FLAGS] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE):
-                if r == NULL or S.block_ids[c, BID_SERIAL] < S.block_ids[r, BID_SERIAL]:
+                if r == NULL or created_before(S, c, r):
                     r = c
         if r == NULL:
             return
@@ -318,7 +320,7 @@ def add_or_get(S, parent, toks, start, n, out):
             m = S.blocks[c, BLK_NUM_TOKENS]
             if n < T and m >= n and tokens_equal(S, c, toks, start, n):
                 # the useless-partial rule: the first (in insertion order) covering sibling
-                if covering == NULL or S.block_ids[c, BID_SERIAL] < S.block_ids[covering, BID_SERIAL]:
+                if covering == NULL or created_before(S, c, covering):
                     covering = c
             elif m < n and tokens_equal(S, c, toks, start, m):
                 covered = c  # prefixes of one chunk are nested: at most one exists

@@ -20,12 +20,21 @@ from ..core.layout import (
     BLK_NUM_TOKENS,
     BLK_PARENT,
     BLK_SCOPE,
+    BLK_SERIAL,
     FLAG_ATTACHED,
     FLAG_ROOT,
     NULL,
 )
 from .link import helper
 from .keys import sibling_hash
+
+
+@helper
+def created_before(S, a, b):
+    """Whether row ``a``'s block was created before row ``b``'s: the sign
+    of their 32-bit serials' difference, taken modulo 2**32 (the serials wrap)."""
+    d = (np.int64(S.blocks[a, BLK_SERIAL]) - np.int64(S.blocks[b, BLK_SERIAL])) & 0xFFFFFFFF
+    return d >= 0x80000000
 
 
 @helper

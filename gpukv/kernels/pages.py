@@ -10,6 +10,8 @@ are recorded here and carried out by the host after the launch, in order.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..core.layout import (
     CNT_ERROR,
     CNT_NUM_COPIES,
@@ -35,6 +37,7 @@ from ..core.layout import (
     PAGE_SERIAL,
     SLOT_COVERAGE,
     SLOT_PAGE,
+    as_int32,
     info_level,
     info_priority,
     info_state,
@@ -48,7 +51,7 @@ from .lru import lru_unlink
 
 
 # core/layout.py's row arithmetic and page-info bits, compiled for kernels too.
-for _f in (slot_row, page_info, info_state, info_level, info_priority, with_state, with_level):
+for _f in (slot_row, as_int32, page_info, info_state, info_level, info_priority, with_state, with_level):
     helper(_f)
 del _f
 
@@ -151,7 +154,7 @@ def alloc_page(S, lc, level, priority):
     S.pages[p, PAGE_LOCKS] = 0
     S.pages[p, PAGE_PLANNED_DROPS] = 0
     S.page_stamps[p, STAMP_LRU_TICK] = NULL
-    S.pages[p, PAGE_SERIAL] += 1  # a new page in this row
+    S.pages[p, PAGE_SERIAL] = as_int32(np.int64(S.pages[p, PAGE_SERIAL]) + 1)  # a new page in this row
     return p
 
 

@@ -19,11 +19,11 @@ import numpy as np
 from ..core.kinds import is_checkpoint
 from ..core.layout import (
     BID_KEY,
-    BID_SERIAL,
     BLK_FIRST_NEXT,
     BLK_FLAGS,
     BLK_NUM_TOKENS,
     BLK_PARENT,
+    BLK_SERIAL,
     FLAG_ATTACHED,
     NULL,
     RES_BEFORE_HYBRID_PRUNING,
@@ -33,7 +33,7 @@ from ..core.layout import (
     RES_NUM_TOKENS,
 )
 from .link import helper
-from .index import find_child, find_root
+from .index import created_before, find_child, find_root
 from .keys import combine, content_hash, sibling_hash
 from .lifecycle import stale_end, stale_start
 from .pages import coverage
@@ -63,7 +63,7 @@ def best_partial_child(S, node, toks, start, n, out):
     while c != NULL:
         if S.blocks[c, BLK_PARENT] == node and S.tokens[c, 0] == first:
             m = common_prefix(S, c, toks, start, n)
-            if m > best_n or (m == best_n and S.block_ids[c, BID_SERIAL] < S.block_ids[best, BID_SERIAL]):
+            if m > best_n or (m == best_n and created_before(S, c, best)):
                 best = c
                 best_n = m
         c = S.blocks[c, BLK_FIRST_NEXT]
@@ -124,7 +124,7 @@ def recall(S, B, i, hash_base, base):
     while k < v:
         r = B.memo_rows[hash_base + k]
         if not B.trusted[i] and (
-            S.block_ids[r, BID_SERIAL] != B.memo_serials[hash_base + k]
+            S.blocks[r, BLK_SERIAL] != B.memo_serials[hash_base + k]
             or (S.blocks[r, BLK_FLAGS] & FLAG_ATTACHED) == 0
         ):
             break
@@ -141,7 +141,7 @@ def remember(S, B, i, hash_base, base, count, last_n):
     for k in range(B.verified[i], full):
         r = B.path[base + k]
         B.memo_rows[hash_base + k] = r
-        B.memo_serials[hash_base + k] = S.block_ids[r, BID_SERIAL]
+        B.memo_serials[hash_base + k] = S.blocks[r, BLK_SERIAL]
     B.verified[i] = max(full, 0)
 
 

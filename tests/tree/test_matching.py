@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpukv import Attention, ReuseScope, Ssm, introspect
-from gpukv.core.layout import FLAG_ROOT
+from gpukv.core.layout import CNT_SERIAL, FLAG_ROOT
 from gpukv.tree import BlockRef
 
 from tests.support.backends import make_manager
@@ -152,10 +152,14 @@ def test_partial_match_lands_on_longer_and_on_shorter_blocks(backend):
         6, [slot(mgr, a.row, 0), slot(mgr, full.row, 0)])
 
 
-def test_partial_match_ties_keep_the_first_in_insertion_order(backend):
+# Block serials are 32 bits that wrap: the two siblings that tie are created
+# on either side of the signed and of the unsigned wrap too.
+@pytest.mark.parametrize("first_serial", [0, 2**31 - 3, 2**32 - 3])
+def test_partial_match_ties_keep_the_first_in_insertion_order(backend, first_serial):
     lookup = B0 + [5, 6, 3, 3]
     for order in ((0, 1), (1, 0)):
         mgr = make_manager(backend, tokens_per_block=4, layers=F_ONLY)
+        mgr._tables.counters[CNT_SERIAL] = first_serial  # the root, the parent, then the two siblings
         a = introspect.make_test_block(mgr, B0, [4])
         kids = {}
         for k in order:

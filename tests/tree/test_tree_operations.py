@@ -29,6 +29,7 @@ from gpukv.core.layout import (
     NULL,
     PAGE_COMMITTED,
     PAGE_FREE,
+    PAGE_SERIAL,
 )
 from gpukv.tree import BlockRef
 
@@ -670,3 +671,23 @@ def test_tables_grow_when_more_rows_are_live_and_keep_the_tree(backend):
     sane(mgr)
     assert mgr.probe_reuse(seq) == len(seq)
     assert mgr.probe_reuse(seq[:T * 7 + 1]) == T * 7 + 1  # partial on the next full block
+
+
+def test_a_page_serial_counts_its_rows_allocations_and_wraps_at_32_bits(backend):
+    """A page's serial tells it from a later page in the same row (a planned
+    drop names pages by row and serial). It counts the row's allocations in
+    32 bits that wrap: past 2**31 - 1 comes -2**31, and a plan made for
+    that page still drops it while a stale one does not."""
+    mgr = make_manager(backend, tokens_per_block=4)
+    mgr._tables.pages[:, PAGE_SERIAL] = 2**31 - 1  # every row allocated 2**31 times before
+    block = introspect.make_test_block(mgr, [1, 2, 3, 4], [4])
+    page, _ = introspect.page_of(mgr, block, 0)
+    (serial,) = mgr._tables.page_serials([page]).tolist()
+    assert serial == -2**31
+    mgr._tree.plan_drops([page, page])
+    mgr._tree.drop_planned([(page, serial + 1)])  # names a later page of the row: nothing happens
+    mgr._tree.drop_planned([(page, serial)])
+    assert page_state(mgr, page) == PAGE_COMMITTED  # one plan is left
+    mgr._tree.drop_planned([(page, serial)])
+    assert page_state(mgr, page) == PAGE_FREE
+    sane(mgr)
