@@ -58,7 +58,6 @@ from .core.layout import (
     PAGE_HOLDERS,
     PAGE_INFO,
     PAGE_LOCKS,
-    PAGE_LRU_LIST,
     PAGE_LRU_NEXT,
     PAGE_LRU_PREV,
     PAGE_POOL_INDEX,
@@ -69,7 +68,9 @@ from .core.layout import (
     SLOT_COVERAGE,
     SLOT_PAGE,
     SLOTS,
+    info_held,
     info_level,
+    info_listed,
     info_priority,
     info_state,
     slot_row,
@@ -110,7 +111,7 @@ def tables(mgr) -> dict:
         "tokens": np.array(h(t.tokens)),
         "slots": slots,
         "block_slots": slots.reshape(blocks.shape[0], len(mgr.config.life_cycles)),
-        "pages": pages_view(h(t.pages)),
+        "pages": pages_view(t, h(t.pages)),
         "page_stamps": PAGE_STAMPS.view(h(t.page_stamps)),
         "log": LOG.view(h(t.log)),
         "lru_lists": LRU_LISTS.view(h(t.lru_lists)),
@@ -118,20 +119,31 @@ def tables(mgr) -> dict:
     }
 
 
-def pages_view(raw) -> np.ndarray:
-    """A host copy of the page table as a structured array: its stored
-    fields and, decoded from ``info``, each page's ``state``, ``level`` and
-    ``priority``."""
+def pages_view(tables, raw) -> np.ndarray:
+    """A host copy of the page table (``raw``: its rows, of ``tables``) as a
+    structured array: its stored fields and, decoded from ``info``, each
+    page's ``state``, ``level``, ``priority`` and ``lru_list`` (the
+    ``lru_lists`` row it is linked in, NULL for none)."""
     stored = PAGES.view(raw)
     out = np.empty(stored.shape[0], dtype=_PAGES_DECODED)
     for name in PAGES.record.names:
         out[name] = stored[name]
-    info = stored["info"]
-    out["state"], out["level"], out["priority"] = info_state(info), info_level(info), info_priority(info)
+    out["state"], out["level"], out["priority"] = info_state(stored["info"]), info_level(stored["info"]), \
+        info_priority(stored["info"])
+    out["lru_list"] = page_lists(tables, raw)
     return out
 
 
-_PAGES_DECODED = np.dtype(PAGES.record.descr + [(f, PAGES.dtype) for f in ("state", "level", "priority")])
+_PAGES_DECODED = np.dtype(PAGES.record.descr + [(f, PAGES.dtype) for f in ("state", "level", "priority", "lru_list")])
+
+
+def page_lists(tables, raw) -> np.ndarray:
+    """The ``lru_lists`` row each page of ``raw`` (the page table's rows) is
+    linked in, NULL for none: what its ``info`` and its life cycle say."""
+    info = raw[:, PAGE_INFO].astype(np.int64)
+    lc = page_life_cycles(tables)
+    group = (lc * NUM_LEVELS + info_level(info)) * NUM_HELD + info_held(info)
+    return np.where(info_listed(info) != 0, group * NUM_PRIORITIES + info_priority(info) - PRIORITY_MIN, NULL)
 
 
 def lru_group_row(life_cycle_id: int, level: int, held: bool) -> int:
@@ -480,10 +492,11 @@ def _check_eviction_lists(mgr, pages, page_lc, fail):
         holders == 0, state == PAGE_COMMITTED, level < has_host.astype(np.int64))
     group = (lc * NUM_LEVELS + level) * NUM_HELD + (holders > 0)
     want = np.where(evictable, group * NUM_PRIORITIES + priority - PRIORITY_MIN, NULL)
-    wrong = np.nonzero(pages[:, PAGE_LRU_LIST] != want)[0]
+    listed_in = page_lists(t, pages)
+    wrong = np.nonzero(listed_in != want)[0]
     if wrong.size:
         p = int(wrong[0])
-        fail(9, f"page {p} is in eviction list {pages[p, PAGE_LRU_LIST]} but belongs in {want[p]} "
+        fail(9, f"page {p} is in eviction list {listed_in[p]} but belongs in {want[p]} "
                 f"({'a candidate' if evictable[p] else 'no candidate'})")
     unlisted = (want == NULL) & ((pages[:, PAGE_LRU_PREV] != NULL) | (pages[:, PAGE_LRU_NEXT] != NULL))
     if unlisted.any():
@@ -495,9 +508,9 @@ def _check_eviction_lists(mgr, pages, page_lc, fail):
             if not 0 <= p < n or seen[p]:
                 fail(9, f"eviction list {lst} reaches page {p} twice or out of range")
             seen[p] = True
-            if pages[p, PAGE_LRU_LIST] != lst or pages[p, PAGE_LRU_PREV] != prev:
+            if listed_in[p] != lst or pages[p, PAGE_LRU_PREV] != prev:
                 fail(9, f"page {p} is linked in eviction list {lst} but names list "
-                        f"{pages[p, PAGE_LRU_LIST]} and predecessor {pages[p, PAGE_LRU_PREV]} (want {prev})")
+                        f"{listed_in[p]} and predecessor {pages[p, PAGE_LRU_PREV]} (want {prev})")
             if prev != NULL and tick[prev] > tick[p]:
                 fail(9, f"eviction list {lst} is not sorted by tick: page {prev} ({tick[prev]}) before {p} ({tick[p]})")
             prev, p = p, pages[p, PAGE_LRU_NEXT]
@@ -590,7 +603,6 @@ def dump(mgr) -> str:
     """A readable rendering of the tree: one line per block with its tokens
     (abbreviated) and per-life-cycle ``page:coverage``."""
     raw = mgr._backend.to_host(mgr._tables.blocks)
-    ids = mgr._backend.to_host(mgr._tables.block_ids)
     digs = mgr._backend.to_host(mgr._tables.digests)
     digests = mgr.config.block_digests
     toks = mgr._backend.to_host(mgr._tables.tokens)

@@ -109,19 +109,17 @@ PAGES = Layout(
         # Its life cycle is not a field: each owns a run of rows (``row_start``).
         ("block", 1),  # the block whose slot links this page; NULL = unlinked
         ("coverage", 1),  # leading tokens of its block this page holds valid data for
-        # Its state (PAGE_* below), cache level (0 = GPU, 1 = host) and
-        # eviction priority, packed (``page_info`` below).
+        # Its state (PAGE_* below), cache level (0 = GPU, 1 = host),
+        # eviction priority and eviction list, packed (``page_info`` below).
         ("info", 1),
         ("holders", 1),  # sequences holding the page
         ("locks", 1),  # sequences holding it locked on the GPU
         ("planned_drops", 1),
         ("pool_index", 1),  # its index in the life cycle's pool of its level
-        # Its place among the eviction candidates (kernels/lru.py): the
-        # neighbours in its list, oldest first, and the list; NULL when it
-        # is no candidate.
+        # Its neighbours in its eviction list (kernels/lru.py), oldest
+        # first; NULL when it is no candidate.
         ("lru_prev", 1),
         ("lru_next", 1),
-        ("lru_list", 1),
         # The row's allocations so far: tells a page from a later one in the
         # same row (a planned drop, a cache's page list). Only ever compared
         # for equality, so 32 bits wrap harmlessly: a stale handle would need
@@ -142,15 +140,20 @@ PAGE_FREE = 0
 PAGE_UNCOMMITTED = 1
 PAGE_COMMITTED = 2
 # A page's ``info``: its state in the low two bits, its cache level in the
-# next, its priority above (less PRIORITY_MIN: 7 bits). Three fields in one
-# word, read and written only through these functions, which the kernels
-# compile (``kernels/pages.py``) and the host applies to whole columns.
+# next, then whether it is an eviction candidate and whether in its group's
+# list of held pages (its list is that of its life cycle, level and priority
+# in that group: ``kernels/lru.py``), its priority above (less PRIORITY_MIN:
+# 7 bits). Read and written only through these functions, which the kernels
+# compile (``kernels/lru.py``) and the host applies to whole columns.
 INFO_LEVEL_SHIFT = 2
-INFO_PRIORITY_SHIFT = 3
+INFO_LISTED_SHIFT = 3
+INFO_HELD_SHIFT = 4
+INFO_PRIORITY_SHIFT = 5
 
 
 def page_info(state, level, priority):
-    """The ``info`` word of a page in ``state`` at ``level`` of ``priority``."""
+    """The ``info`` word of a page in ``state`` at ``level`` of ``priority``,
+    in no eviction list."""
     return state | (level << INFO_LEVEL_SHIFT) | ((priority - PRIORITY_MIN) << INFO_PRIORITY_SHIFT)
 
 
@@ -164,6 +167,21 @@ def info_level(info):
 
 def info_priority(info):
     return (info >> INFO_PRIORITY_SHIFT) + PRIORITY_MIN
+
+
+def info_listed(info):
+    """1 when the page is an eviction candidate (in a list), else 0."""
+    return (info >> INFO_LISTED_SHIFT) & 1
+
+
+def info_held(info):
+    """Of a listed page: 1 when its list is its group's of held pages."""
+    return (info >> INFO_HELD_SHIFT) & 1
+
+
+def with_listing(info, listed, held):
+    keep = ~((1 << INFO_LISTED_SHIFT) | (1 << INFO_HELD_SHIFT))
+    return (info & keep) | (listed << INFO_LISTED_SHIFT) | (held << INFO_HELD_SHIFT)
 
 
 def with_state(info, state):
@@ -487,8 +505,7 @@ PAGE_PLANNED_DROPS = 5
 PAGE_POOL_INDEX = 6
 PAGE_LRU_PREV = 7
 PAGE_LRU_NEXT = 8
-PAGE_LRU_LIST = 9
-PAGE_SERIAL = 10
+PAGE_SERIAL = 9
 
 STAMP_LRU_TICK = 0
 

@@ -32,7 +32,6 @@ from ..core.layout import (
     PAGE_FREE,
     PAGE_HOLDERS,
     PAGE_LOCKS,
-    PAGE_LRU_LIST,
     PAGE_POOL_INDEX,
     STAMP_LRU_TICK,
 )
@@ -40,7 +39,7 @@ from .link import helper
 from .blocks import page_death
 from .index import is_attached
 from .log import log
-from .lru import lru_best, lru_group, lru_insert, lru_list, lru_unlink
+from .lru import list_of, lru_best, lru_group, lru_insert, lru_list, lru_unlink
 from .pages import (
     can_replace_page,
     free_page,
@@ -85,7 +84,7 @@ def lru_update(S, p):
     """After a change of what ``evictable`` depends on (the tick unchanged):
     ``p`` moves to the list it belongs in now, keeping its place in time."""
     want = candidate_list(S, p)
-    if want != S.pages[p, PAGE_LRU_LIST]:
+    if want != list_of(S, p):
         lru_unlink(S, p)
         if want != NULL:
             lru_insert(S, p, want)
@@ -150,6 +149,7 @@ def move_page(S, p, level):
     new_index = pop_storage(S, lc, level)
     record_copy(S, lc, old, index, level, new_index)
     push_storage(S, lc, old, index)
+    lru_unlink(S, p)  # out of its list while its level says which (``lru.list_of``)
     set_page_level(S, p, level)
     S.pages[p, PAGE_POOL_INDEX] = new_index
     r = S.pages[p, PAGE_BLOCK]

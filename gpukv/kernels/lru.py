@@ -3,7 +3,9 @@
 Eviction candidates sit in doubly linked lists (``dlist.py``) threaded through the page rows
 (``PAGE_LRU_PREV`` / ``PAGE_LRU_NEXT``), one list per (life cycle, cache
 level, held or not, priority), each kept sorted by ``lru_tick``, oldest at the
-head. A page is in at most one list (``PAGE_LRU_LIST``, NULL for none).
+head. A page is in at most one list: its ``info`` word says whether it is
+listed and whether among the held pages, and its life cycle, level and
+priority say the rest (``list_of``).
 Lists of one (life cycle, level, held) form a group that counts its members
 and remembers a lower bound of its lowest non-empty priority, so the best
 candidate of a group is found without looking at every priority and the
@@ -24,14 +26,48 @@ from ..core.layout import (
     LRU_TAIL,
     NULL,
     NUM_HELD,
+    NUM_LEVELS,
     NUM_PRIORITIES,
-    PAGE_LRU_LIST,
+    PAGE_INFO,
     PAGE_LRU_NEXT,
     PAGE_LRU_PREV,
     STAMP_LRU_TICK,
+    as_int32,
+    info_held,
+    info_level,
+    info_listed,
+    info_priority,
+    info_state,
+    page_info,
+    slot_row,
+    with_level,
+    with_listing,
+    with_state,
 )
 from .dlist import dlist_insert_after, dlist_remove
 from .link import helper
+
+# core/layout.py's row arithmetic and page-info bits, compiled for kernels too.
+for _f in (slot_row, as_int32, page_info, info_state, info_level, info_listed, info_held, info_priority,
+           with_state, with_level, with_listing):
+    helper(_f)
+del _f
+
+
+@helper
+def page_life_cycle(S, p):
+    """The life cycle of page row ``p``: each owns the run of rows that
+    starts at its ``row_start`` (the rows never change hands, so no page
+    record needs to say it)."""
+    lc = S.row_start.shape[0] - 1
+    while S.row_start[lc] > p:
+        lc -= 1
+    return lc
+
+
+@helper
+def pool_of(lc, level):
+    return lc * NUM_LEVELS + level
 
 
 @helper
@@ -46,22 +82,35 @@ def lru_list(group, priority):
 
 
 @helper
+def list_of(S, p):
+    """The list ``p`` is in, or NULL. A listed page's level and priority
+    stay as they were when it was linked: ``move_page`` unlinks a page before
+    it changes its level, and a priority never changes."""
+    info = S.pages[p, PAGE_INFO]
+    if info_listed(info) == 0:
+        return NULL
+    group = lru_group(pool_of(page_life_cycle(S, p), info_level(info)), info_held(info))
+    return lru_list(group, info_priority(info))
+
+
+@helper
 def lru_unlink(S, p):
     """Take ``p`` out of its list, if it is in one."""
-    lst = S.pages[p, PAGE_LRU_LIST]
+    lst = list_of(S, p)
     if lst == NULL:
         return
     dlist_remove(S.pages, PAGE_LRU_PREV, PAGE_LRU_NEXT, S.lru_lists, lst, LRU_HEAD, LRU_TAIL, p)
-    S.pages[p, PAGE_LRU_LIST] = NULL
+    S.pages[p, PAGE_INFO] = with_listing(S.pages[p, PAGE_INFO], 0, 0)
     S.lru_groups[lst // NUM_PRIORITIES, LG_COUNT] -= 1
 
 
 @helper
 def lru_link_after(S, p, lst, prv):
-    """Link ``p`` into ``lst`` right after ``prv`` (NULL: at the head)."""
+    """Link ``p`` into ``lst`` (the list of its life cycle, level and
+    priority in one group) right after ``prv`` (NULL: at the head)."""
     dlist_insert_after(S.pages, PAGE_LRU_PREV, PAGE_LRU_NEXT, S.lru_lists, lst, LRU_HEAD, LRU_TAIL, p, prv)
-    S.pages[p, PAGE_LRU_LIST] = lst
     g = lst // NUM_PRIORITIES
+    S.pages[p, PAGE_INFO] = with_listing(S.pages[p, PAGE_INFO], 1, g % NUM_HELD)
     S.lru_groups[g, LG_COUNT] += 1
     priority = lst - g * NUM_PRIORITIES + PRIORITY_MIN
     if priority < S.lru_groups[g, LG_LOWEST]:

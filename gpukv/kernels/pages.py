@@ -16,7 +16,6 @@ from ..core.layout import (
     CNT_ERROR,
     CNT_NUM_COPIES,
     CNT_UNLINKS,
-    NUM_LEVELS,
     COPY_DST_INDEX,
     COPY_DST_LEVEL,
     COPY_LIFE_CYCLE,
@@ -47,13 +46,7 @@ from ..core.layout import (
     with_state,
 )
 from .link import helper
-from .lru import lru_unlink
-
-
-# core/layout.py's row arithmetic and page-info bits, compiled for kernels too.
-for _f in (slot_row, as_int32, page_info, info_state, info_level, info_priority, with_state, with_level):
-    helper(_f)
-del _f
+from .lru import lru_unlink, page_life_cycle, pool_of
 
 
 @helper
@@ -97,22 +90,6 @@ def set_slot(S, r, lc, page, cov):
     row = slot_row(r, lc, S.lc_kind.shape[0])
     S.slots[row, SLOT_PAGE] = page
     S.slots[row, SLOT_COVERAGE] = cov
-
-
-@helper
-def page_life_cycle(S, p):
-    """The life cycle of page row ``p``: each owns the run of rows that
-    starts at its ``row_start`` (the rows never change hands, so no page
-    record needs to say it)."""
-    lc = S.row_start.shape[0] - 1
-    while S.row_start[lc] > p:
-        lc -= 1
-    return lc
-
-
-@helper
-def pool_of(lc, level):
-    return lc * NUM_LEVELS + level
 
 
 @helper

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from gpukv import Attention, introspect
-from gpukv.core.layout import LG_COUNT, LG_LOWEST, NULL, PAGE_HOLDERS, PAGE_LOCKS, PAGE_LRU_LIST, PAGE_LRU_PREV, STAMP_LRU_TICK
+from gpukv.core.layout import (
+    INFO_HELD_SHIFT, LG_COUNT, LG_LOWEST, NULL, PAGE_HOLDERS, PAGE_INFO, PAGE_LOCKS, PAGE_LRU_PREV, STAMP_LRU_TICK,
+)
 
 from tests.support.backends import make_manager
 from tests.support.turns import finished, seq
@@ -273,13 +275,13 @@ def _corrupt_order(mgr):
 
 def _corrupt_unlink(mgr):
     p = introspect.eviction_order(mgr, 0)[0]  # the pushed page: the list of priority 35 lost
-    lst = mgr._tables.pages[p, PAGE_LRU_LIST]
+    lst = introspect.tables(mgr)["pages"]["lru_list"][p]
     mgr._tables.lru_lists[lst] = NULL
 
 
 def _corrupt_list(mgr):
     p = introspect.eviction_order(mgr, 0)[0]
-    mgr._tables.pages[p, PAGE_LRU_LIST] += 1
+    mgr._tables.pages[p, PAGE_INFO] ^= 1 << INFO_HELD_SHIFT  # names the held pages' list of its group
 
 
 def _corrupt_count(mgr):
