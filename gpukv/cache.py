@@ -279,7 +279,7 @@ class PlannedDrop:
         self._tree = tree
         self._launcher = launcher
         self._pages = list(zip(pages, tables.page_serials(pages).tolist()))
-        tree.plan_drops(pages)
+        tree.plan_drops(self._pages)
         self.dropped = False
 
     @serialized("PlannedDrop.drop()")

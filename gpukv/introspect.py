@@ -46,6 +46,7 @@ from .core.layout import (
     LG_COUNT,
     LG_LOWEST,
     LOG,
+    Layout,
     LRU_GROUPS,
     LRU_HEAD,
     LRU_LISTS,
@@ -124,17 +125,13 @@ def pages_view(tables, raw) -> np.ndarray:
     structured array: its stored fields and, decoded from ``info``, each
     page's ``state``, ``level``, ``priority`` and ``lru_list`` (the
     ``lru_lists`` row it is linked in, NULL for none)."""
-    stored = PAGES.view(raw)
-    out = np.empty(stored.shape[0], dtype=_PAGES_DECODED)
-    for name in PAGES.record.names:
-        out[name] = stored[name]
-    out["state"], out["level"], out["priority"] = info_state(stored["info"]), info_level(stored["info"]), \
-        info_priority(stored["info"])
-    out["lru_list"] = page_lists(tables, raw)
-    return out
+    info = raw[:, PAGE_INFO]
+    decoded = np.column_stack([raw, info_state(info), info_level(info), info_priority(info), page_lists(tables, raw)])
+    return _PAGES_DECODED.view(decoded.astype(PAGES.dtype, copy=False))
 
 
-_PAGES_DECODED = np.dtype(PAGES.record.descr + [(f, PAGES.dtype) for f in ("state", "level", "priority", "lru_list")])
+_PAGES_DECODED = Layout("pages_decoded", PAGES.dtype,
+                        PAGES.fields + [("state", 1), ("level", 1), ("priority", 1), ("lru_list", 1)])
 
 
 def page_lists(tables, raw) -> np.ndarray:
@@ -460,7 +457,9 @@ def check_sanity(mgr):
                 fail(6, f"slot ({r}, {lc}) holds page {pg} whose back-pointer is ({page['block']}, {page_lc[pg]})")
             if page["coverage"] != cov or not 1 <= cov <= raw[r, BLK_NUM_TOKENS]:
                 fail(6, f"slot ({r}, {lc}) coverage {cov} (page says {page['coverage']}) outside 1..{raw[r, BLK_NUM_TOKENS]}")
-    raw_pages = mgr._backend.to_host(mgr._tables.pages)
+    # The decoded view's columns: the stored fields, then the decoded ones.
+    decoded = pages.view(PAGES.dtype).reshape(pages.shape[0], _PAGES_DECODED.width)
+    raw_pages, listed_in = decoded[:, :PAGES.width], decoded[:, _PAGES_DECODED.col("lru_list")]
     linked = np.nonzero(raw_pages[:, PAGE_BLOCK] != NULL)[0]
     for pg in linked:
         r = raw_pages[pg, PAGE_BLOCK]
@@ -471,14 +470,15 @@ def check_sanity(mgr):
             fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
     _check_monotone_coverage(mgr, slots, raw, ids, digs, in_use, L)
     _check_pools(mgr, raw_pages, fail)
-    _check_eviction_lists(mgr, raw_pages, page_lc, fail)
+    _check_eviction_lists(mgr, raw_pages, page_lc, listed_in, fail)
 
 
-def _check_eviction_lists(mgr, pages, page_lc, fail):
+def _check_eviction_lists(mgr, pages, page_lc, listed_in, fail):
     """Invariant 9: the eviction candidates are listed exactly, each in the
     list of its (life cycle, level, held or not, priority), every list
     well linked and sorted by tick, the group counts right and every
-    group's lowest-priority bound below its members."""
+    group's lowest-priority bound below its members. ``listed_in``: the list
+    each page is linked in, as its ``info`` says (``page_lists``)."""
     t = mgr._tables
     h = mgr._backend.to_host
     lists, groups, pool_size = h(t.lru_lists), h(t.lru_groups), h(t.pool_size)
@@ -492,7 +492,6 @@ def _check_eviction_lists(mgr, pages, page_lc, fail):
         holders == 0, state == PAGE_COMMITTED, level < has_host.astype(np.int64))
     group = (lc * NUM_LEVELS + level) * NUM_HELD + (holders > 0)
     want = np.where(evictable, group * NUM_PRIORITIES + priority - PRIORITY_MIN, NULL)
-    listed_in = page_lists(t, pages)
     wrong = np.nonzero(listed_in != want)[0]
     if wrong.size:
         p = int(wrong[0])

@@ -26,7 +26,6 @@ from .kernels.tree import (
     OP_UNLINK_PAGE,
     OP_ANNOUNCE,
     OP_EVICT,
-    OP_PLAN_DROP,
     OP_DROP_PLANNED,
     build_tree_kernel,
 )
@@ -42,6 +41,7 @@ from .core.layout import (
     PAGE_BLOCK,
     PAGE_INFO,
     PAGE_COMMITTED,
+    PAGE_SERIAL,
     info_state,
 )
 from .core.config import DEFAULT_PRIORITY, check_priority
@@ -50,6 +50,8 @@ from .launcher import Launcher
 from .tables import Tables
 from .tokens import token_array
 
+
+_SERIAL_AND_INFO = np.array([PAGE_SERIAL, PAGE_INFO])  # the columns that tell whether a planned page still lives
 
 @dataclass(frozen=True)
 class BlockRef:
@@ -88,6 +90,12 @@ class BlockTree:
         self._scope_by_digest: dict[bytes, ReuseScope] = {}  # root digest -> scope
         self._next_scope_id = 0
         self._scope_collect_at = 64
+        # Planned drops not carried out yet, by (page row, serial): counted
+        # here, not in the page record, so a plan costs no launch and no
+        # device memory. Entries whose row has moved on to another page are
+        # forgotten whenever the table doubles (``_forget_stale_plans``).
+        self._plans: dict[tuple[int, int], int] = {}
+        self._plans_checked_at = 64
         self.scopes_in_use = lambda: ()  # scope ids that open caches refer to; the manager sets it
 
     @property
@@ -283,16 +291,37 @@ class BlockTree:
             raise ValueError(f"page {page} is not a committed page")
         self._op(OP_PAGE_DEATH, (page,))
 
-    def plan_drops(self, pages):
-        """Count a planned drop on each of ``pages`` (§2.9)."""
-        for p in pages:  # a handful: the window's blocks and one checkpoint
-            self._op(OP_PLAN_DROP, (p,))
+    def plan_drops(self, pages_and_serials):
+        """Count a planned drop on each ``(page, serial)`` (§2.9)."""
+        plans = self._plans
+        for key in pages_and_serials:  # a handful: the window's blocks and one checkpoint
+            plans[key] = plans.get(key, 0) + 1
+        if len(plans) >= self._plans_checked_at:
+            self._forget_stale_plans()
 
     def drop_planned(self, pages_and_serials):
-        """Carry out a planned drop on each ``(page, serial)`` still holding that
-        page; a page dies with its last plan when nobody holds it."""
-        for p, serial in pages_and_serials:
-            self._op(OP_DROP_PLANNED, (p, serial))
+        """Carry out a planned drop on each ``(page, serial)``; the page dies
+        with its last plan when it is still that page and nobody holds it."""
+        plans = self._plans
+        for key in pages_and_serials:
+            left = plans.pop(key, 1) - 1  # a forgotten entry's row holds another page: its drop changes nothing
+            if left:
+                plans[key] = left
+            else:
+                self._op(OP_DROP_PLANNED, key)
+
+    def _forget_stale_plans(self):
+        """Drop the entries of pages that died (their rows free, or holding
+        later pages): a plan never carried out would keep its entry forever.
+        One read of the rows, when the table has doubled."""
+        keys = list(self._plans)
+        rows = np.fromiter((p for p, _ in keys), dtype=np.int64, count=len(keys))
+        b = self.backend
+        now = b.to_host(self.tables.pages[b.to_device(rows[:, None]), _SERIAL_AND_INFO])
+        for key, (serial, info) in zip(keys, now.tolist()):
+            if key[1] != serial or info_state(info) != PAGE_COMMITTED:
+                del self._plans[key]
+        self._plans_checked_at = max(64, 2 * len(self._plans))
 
     def page_block(self, page: int) -> int:
         return int(self.backend.to_host(self.tables.pages[page, PAGE_BLOCK]))

@@ -114,14 +114,14 @@ PAGES = Layout(
         ("info", 1),
         ("holders", 1),  # sequences holding the page
         ("locks", 1),  # sequences holding it locked on the GPU
-        ("planned_drops", 1),
         ("pool_index", 1),  # its index in the life cycle's pool of its level
         # Its neighbours in its eviction list (kernels/lru.py), oldest
         # first; NULL when it is no candidate.
         ("lru_prev", 1),
         ("lru_next", 1),
         # The row's allocations so far: tells a page from a later one in the
-        # same row (a planned drop, a cache's page list). Only ever compared
+        # same row (a planned drop, which the host counts by page and serial;
+        # a cache's page list). Only ever compared
         # for equality, so 32 bits wrap harmlessly: a stale handle would need
         # 2**32 allocations of its row to pass for the page it named.
         ("serial", 1),
@@ -396,7 +396,7 @@ ADD_PAGE_ARGS = Layout(
     "add_page_args", np.int64, [("block", 1), ("life_cycle", 1), ("coverage", 1), ("priority", 1)]
 )
 UNLINK_ARGS = Layout("unlink_args", np.int64, [("block", 1), ("life_cycle", 1), ("expected", 1)])
-PAGE_ARGS = Layout("page_args", np.int64, [("page", 1)])  # OP_PAGE_DEATH, OP_PLAN_DROP
+PAGE_ARGS = Layout("page_args", np.int64, [("page", 1)])  # OP_PAGE_DEATH
 DROP_ARGS = Layout("drop_args", np.int64, [("page", 1), ("serial", 1)])  # OP_DROP_PLANNED: the page as planned
 BLOCK_ARGS = Layout("block_args", np.int64, [("block", 1), ("life_cycle", 1)])  # OP_REMOVE_SUBTREE, OP_CLEAR_STALE, OP_RELEASE_REF
 ANNOUNCE_ARGS = Layout("announce_args", np.int64, [("block", 1), ("kind", 1), ("life_cycle", 1)])
@@ -501,11 +501,10 @@ PAGE_COVERAGE = 1
 PAGE_INFO = 2
 PAGE_HOLDERS = 3
 PAGE_LOCKS = 4
-PAGE_PLANNED_DROPS = 5
-PAGE_POOL_INDEX = 6
-PAGE_LRU_PREV = 7
-PAGE_LRU_NEXT = 8
-PAGE_SERIAL = 9
+PAGE_POOL_INDEX = 5
+PAGE_LRU_PREV = 6
+PAGE_LRU_NEXT = 7
+PAGE_SERIAL = 8
 
 STAMP_LRU_TICK = 0
 

@@ -51,7 +51,6 @@ from ..core.layout import (
     PAGE_COMMITTED,
     PAGE_COVERAGE,
     PAGE_HOLDERS,
-    PAGE_PLANNED_DROPS,
     PAGE_SERIAL,
     UNLINK_BLOCK,
     UNLINK_EXPECTED,
@@ -85,7 +84,6 @@ OP_RELEASE_REF = 8  # BLOCK_ARGS (block)
 OP_INSERT = 9  # INSERT_ARGS; toks = the sequence -> out[OUT_INSERTED] = blocks inserted
 OP_ANNOUNCE = 10  # ANNOUNCE_ARGS (kind: EV_STORED_BLOCK or EV_STORED_LIFE_CYCLE)
 OP_EVICT = 11  # EVICT_ARGS -> out[OUT_BLOCK] = 1 when there are that many free slots
-OP_PLAN_DROP = 12  # PAGE_ARGS
 OP_DROP_PLANNED = 13  # DROP_ARGS
 
 
@@ -167,21 +165,15 @@ def release_ref(S, r):
     maybe_free_orphan(S, r)
 
 
-@helper
-def plan_drop(S, p):
-    """A planned drop names ``p`` (§2.9): plans are counted per page."""
-    S.pages[p, PAGE_PLANNED_DROPS] += 1
-
-
 @helper(inline=False)
 def drop_planned(S, p, serial):
-    """A plan naming ``p`` is carried out: the page dies when that was the last
-    plan and nobody holds it. Nothing happens when the row holds another page
-    now (``serial``) or the page died meanwhile."""
+    """The last plan naming page ``p`` was carried out (the host counts the
+    plans, ``tree.BlockTree.drop_planned``): the page dies when nobody holds
+    it. Nothing happens when the row holds another page now (``serial``) or
+    the page died meanwhile."""
     if S.pages[p, PAGE_SERIAL] != serial or page_state(S, p) != PAGE_COMMITTED:
         return
-    S.pages[p, PAGE_PLANNED_DROPS] -= 1
-    if S.pages[p, PAGE_PLANNED_DROPS] == 0 and S.pages[p, PAGE_HOLDERS] == 0:
+    if S.pages[p, PAGE_HOLDERS] == 0:
         page_death(S, p)
 
 
@@ -210,8 +202,6 @@ def tree_step(S, op, args, toks, out):
         announce(S, args[ANNOUNCE_BLOCK], args[ANNOUNCE_KIND], args[ANNOUNCE_LIFE_CYCLE])
     elif op == OP_EVICT:
         out[OUT_BLOCK] = 1 if make_room(S, args[EVICT_LIFE_CYCLE], args[EVICT_LEVEL], args[EVICT_NEED]) else 0
-    elif op == OP_PLAN_DROP:
-        plan_drop(S, args[PAGE_ARG_PAGE])
     elif op == OP_DROP_PLANNED:
         drop_planned(S, args[DROP_PAGE], args[DROP_SERIAL])
 

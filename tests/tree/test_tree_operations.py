@@ -684,10 +684,31 @@ def test_a_page_serial_counts_its_rows_allocations_and_wraps_at_32_bits(backend)
     page, _ = introspect.page_of(mgr, block, 0)
     (serial,) = mgr._tables.page_serials([page]).tolist()
     assert serial == -2**31
-    mgr._tree.plan_drops([page, page])
+    mgr._tree.plan_drops([(page, serial)] * 2)
     mgr._tree.drop_planned([(page, serial + 1)])  # names a later page of the row: nothing happens
     mgr._tree.drop_planned([(page, serial)])
     assert page_state(mgr, page) == PAGE_COMMITTED  # one plan is left
     mgr._tree.drop_planned([(page, serial)])
     assert page_state(mgr, page) == PAGE_FREE
+    sane(mgr)
+
+
+def test_plans_of_pages_that_died_are_forgotten_when_the_table_doubles(backend):
+    """Planned drops are counted on the host by (page row, serial). A plan
+    never carried out keeps its entry while its page lives (it still holds
+    the page back from the other plans' drops); once the page died, the
+    entry goes when the table next doubles."""
+    mgr = make_manager(backend, tokens_per_block=4, pages_per_life_cycle=128)
+    tree = mgr._tree
+    blocks = [introspect.make_test_block(mgr, [i, i, i, i], [4]) for i in range(70)]
+    pages = [introspect.page_of(mgr, b, 0)[0] for b in blocks]
+    keys = list(zip(pages, mgr._tables.page_serials(pages).tolist()))
+    tree.plan_drops(keys[:60])  # plans never carried out
+    for p in pages[:50]:
+        tree.page_death(p)  # ... of pages that die meanwhile
+    tree.plan_drops(keys[60:])  # the table reaches 64 entries: the dead pages' go
+    assert set(tree._plans) == set(keys[50:])
+    tree.drop_planned(keys[50:])  # the live pages' last plans: they die
+    assert all(page_state(mgr, p) == PAGE_FREE for p in pages[50:])
+    assert not tree._plans
     sane(mgr)
