@@ -53,6 +53,7 @@ from .tokens import token_array
 
 _SERIAL_AND_INFO = np.array([PAGE_SERIAL, PAGE_INFO])  # the columns that tell whether a planned page still lives
 
+
 @dataclass(frozen=True)
 class BlockRef:
     """A handle on one tree block: its row and its SHA-256 key (with
@@ -92,8 +93,8 @@ class BlockTree:
         self._scope_collect_at = 64
         # Planned drops not carried out yet, by (page row, serial): counted
         # here, not in the page record, so a plan costs no launch and no
-        # device memory. Entries whose row has moved on to another page are
-        # forgotten whenever the table doubles (``_forget_stale_plans``).
+        # device memory. Entries of pages that died are forgotten whenever
+        # the table doubles (``_forget_stale_plans``).
         self._plans: dict[tuple[int, int], int] = {}
         self._plans_checked_at = 64
         self.scopes_in_use = lambda: ()  # scope ids that open caches refer to; the manager sets it
@@ -304,7 +305,7 @@ class BlockTree:
         with its last plan when it is still that page and nobody holds it."""
         plans = self._plans
         for key in pages_and_serials:
-            left = plans.pop(key, 1) - 1  # a forgotten entry's row holds another page: its drop changes nothing
+            left = plans.pop(key, 1) - 1  # a forgotten entry's page died: its drop changes nothing
             if left:
                 plans[key] = left
             else:
