@@ -122,23 +122,25 @@ def tables(mgr) -> dict:
 
 def pages_view(tables, raw) -> np.ndarray:
     """A host copy of the page table (``raw``: its rows, of ``tables``) as a
-    structured array: its stored fields and, decoded from ``info``, each
-    page's ``state``, ``level``, ``priority`` and ``lru_list`` (the
-    ``lru_lists`` row it is linked in, NULL for none)."""
-    info = raw[:, PAGE_INFO]
-    decoded = np.column_stack([raw, info_state(info), info_level(info), info_priority(info), page_lists(tables, raw)])
+    structured array: its stored fields and, decoded from ``info`` and the
+    row, each page's ``state``, ``level``, ``priority``, ``life_cycle``
+    (``page_life_cycles``) and ``lru_list`` (the ``lru_lists`` row it is
+    linked in, NULL for none)."""
+    info, lc = raw[:, PAGE_INFO], page_life_cycles(tables)
+    decoded = np.column_stack([raw, info_state(info), info_level(info), info_priority(info), lc,
+                               page_lists(raw, lc)])
     return _PAGES_DECODED.view(decoded.astype(PAGES.dtype, copy=False))
 
 
-_PAGES_DECODED = Layout("pages_decoded", PAGES.dtype,
-                        PAGES.fields + [("state", 1), ("level", 1), ("priority", 1), ("lru_list", 1)])
+_PAGES_DECODED = Layout("pages_decoded", PAGES.dtype, PAGES.fields + [
+    ("state", 1), ("level", 1), ("priority", 1), ("life_cycle", 1), ("lru_list", 1)])
 
 
-def page_lists(tables, raw) -> np.ndarray:
-    """The ``lru_lists`` row each page of ``raw`` (the page table's rows) is
-    linked in, NULL for none: what its ``info`` and its life cycle say."""
+def page_lists(raw, lc) -> np.ndarray:
+    """The ``lru_lists`` row each page of ``raw`` (the page table's rows, of
+    life cycles ``lc``) is linked in, NULL for none: what its ``info`` and
+    its life cycle say."""
     info = raw[:, PAGE_INFO].astype(np.int64)
-    lc = page_life_cycles(tables)
     group = (lc * NUM_LEVELS + info_level(info)) * NUM_HELD + info_held(info)
     return np.where(info_listed(info) != 0, group * NUM_PRIORITIES + info_priority(info) - PRIORITY_MIN, NULL)
 
@@ -439,8 +441,11 @@ def check_sanity(mgr):
             for b in seqs:
                 if len(a) < len(b) and b[: len(a)] == a:
                     fail(4, f"row {p} has a child whose tokens are a strict prefix of a sibling's")
-    # Slots and pages (6, 7).
-    page_lc = page_life_cycles(mgr._tables)
+    # Slots and pages (6, 7). The decoded view's columns: the stored fields,
+    # then the decoded ones.
+    decoded = pages.view(PAGES.dtype).reshape(pages.shape[0], _PAGES_DECODED.width)
+    raw_pages = decoded[:, :PAGES.width]
+    page_lc, listed_in = decoded[:, _PAGES_DECODED.col("life_cycle")], decoded[:, _PAGES_DECODED.col("lru_list")]
     for r in in_use:
         if raw[r, BLK_FLAGS] & FLAG_ROOT:
             continue
@@ -457,9 +462,6 @@ def check_sanity(mgr):
                 fail(6, f"slot ({r}, {lc}) holds page {pg} whose back-pointer is ({page['block']}, {page_lc[pg]})")
             if page["coverage"] != cov or not 1 <= cov <= raw[r, BLK_NUM_TOKENS]:
                 fail(6, f"slot ({r}, {lc}) coverage {cov} (page says {page['coverage']}) outside 1..{raw[r, BLK_NUM_TOKENS]}")
-    # The decoded view's columns: the stored fields, then the decoded ones.
-    decoded = pages.view(PAGES.dtype).reshape(pages.shape[0], _PAGES_DECODED.width)
-    raw_pages, listed_in = decoded[:, :PAGES.width], decoded[:, _PAGES_DECODED.col("lru_list")]
     linked = np.nonzero(raw_pages[:, PAGE_BLOCK] != NULL)[0]
     for pg in linked:
         r = raw_pages[pg, PAGE_BLOCK]
@@ -468,7 +470,7 @@ def check_sanity(mgr):
             fail(7, f"page {pg} points at ({r}, {lc}) but that slot does not hold it")
         if raw_pages[pg, PAGE_COVERAGE] < 1:
             fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
-    _check_monotone_coverage(mgr, slots, raw, ids, digs, in_use, L)
+    _check_monotone_coverage(mgr, slots, raw, raw_pages[:, PAGE_SERIAL], digs, in_use, L)
     _check_pools(mgr, raw_pages, fail)
     _check_eviction_lists(mgr, raw_pages, page_lc, listed_in, fail)
 
@@ -557,15 +559,15 @@ def _check_pools(mgr, pages, fail):
                 fail(9, f"life cycle {lc} level {lv}: storage slots are not each used or free exactly once")
 
 
-def _check_monotone_coverage(mgr, slots, raw, ids, digs, in_use, L):
+def _check_monotone_coverage(mgr, slots, raw, serials, digs, in_use, L):
     """Invariant 10: while a slot keeps a page, its coverage never decreases.
 
     Remembered across calls by (block key, life cycle) -> (page serial,
     coverage): a page row is recycled when its page dies, and the serial
     tells a new page in that row from the one seen before. The block key is
-    its digest (its serial with ``block_digests`` off)."""
+    its digest (its serial with ``block_digests`` off). ``serials``: the
+    page rows' serials."""
     history = mgr.__dict__.setdefault("_sanity_coverage", {})
-    serials = mgr._backend.to_host(mgr._tables.pages[:, PAGE_SERIAL])
     seen = {}
     for r in in_use:
         if raw[r, BLK_FLAGS] & FLAG_ROOT or not raw[r, BLK_FLAGS] & FLAG_ATTACHED:
@@ -668,14 +670,10 @@ def planned_pages(plan) -> list:
     """``[(life cycle, pool index)]`` of the pages a planned drop names that are
     still the committed pages it was made for, in plan order."""
     tables = plan._tables
-    rows = tables.backend.to_host(tables.pages)
-    serials = tables.backend.to_host(tables.pages[:, PAGE_SERIAL])
+    pool_index = tables.backend.to_host(tables.pages[:, PAGE_POOL_INDEX])
     life_cycles = page_life_cycles(tables)
-    out = []
-    for p, serial in plan._pages:
-        if serials[p] == serial and info_state(rows[p, PAGE_INFO]) == PAGE_COMMITTED:
-            out.append((int(life_cycles[p]), int(rows[p, PAGE_POOL_INDEX])))
-    return out
+    alive = tables.still_committed([p for p, _ in plan._pages], [s for _, s in plan._pages])
+    return [(int(life_cycles[p]), int(pool_index[p])) for (p, _), ok in zip(plan._pages, alive.tolist()) if ok]
 
 
 def free_pages(mgr, life_cycle_id: int, level: int = 0) -> int:

@@ -64,6 +64,7 @@ from .core.layout import (
     LRU_GROUPS,
     LRU_LISTS,
     NULL,
+    PAGE_COMMITTED,
     PAGE_INFO,
     PAGE_FREE,
     PAGE_STAMPS,
@@ -78,6 +79,7 @@ from .core.layout import (
     ROW_DTYPE,
     SLOTS,
     PAGE_SERIAL,
+    info_state,
     page_info,
 )
 
@@ -119,6 +121,7 @@ DeviceTables = namedtuple(
 
 _DEVICE_FIELDS = frozenset(DeviceTables._fields)
 UNKNOWN_DIGEST = -(2**31)  # stands for any digest no block holds
+_SERIAL_AND_INFO = np.array([PAGE_SERIAL, PAGE_INFO])  # what tells whether a row still holds a given page
 
 
 def _holds(table, rows: int, budget: int) -> bool:
@@ -358,6 +361,17 @@ class Tables:
             first[1:] = b[1:] != b[:-1]
             heads[b[first]] = rows[first]
         return heads
+
+    def still_committed(self, rows, serials) -> np.ndarray:
+        """Whether each page row of ``rows`` still holds the committed page of
+        that serial (the page a planned drop named), as a bool host array;
+        only those rows leave the device."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0:
+            return np.zeros(0, dtype=bool)
+        b = self.backend
+        now = b.to_host(self.pages[b.to_device(rows[:, None]), _SERIAL_AND_INFO])
+        return (now[:, 0] == np.asarray(serials)) & (info_state(now[:, 1]) == PAGE_COMMITTED)
 
     def page_serials(self, rows) -> np.ndarray:
         """The serials (``PAGE_SERIAL``, as int64) of the given page rows, as

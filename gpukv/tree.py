@@ -41,7 +41,6 @@ from .core.layout import (
     PAGE_BLOCK,
     PAGE_INFO,
     PAGE_COMMITTED,
-    PAGE_SERIAL,
     info_state,
 )
 from .core.config import DEFAULT_PRIORITY, check_priority
@@ -49,9 +48,6 @@ from .core.scope import ReuseScope, as_scope
 from .launcher import Launcher
 from .tables import Tables
 from .tokens import token_array
-
-
-_SERIAL_AND_INFO = np.array([PAGE_SERIAL, PAGE_INFO])  # the columns that tell whether a planned page still lives
 
 
 @dataclass(frozen=True)
@@ -316,11 +312,9 @@ class BlockTree:
         later pages): a plan never carried out would keep its entry forever.
         One read of the rows, when the table has doubled."""
         keys = list(self._plans)
-        rows = np.fromiter((p for p, _ in keys), dtype=np.int64, count=len(keys))
-        b = self.backend
-        now = b.to_host(self.tables.pages[b.to_device(rows[:, None]), _SERIAL_AND_INFO])
-        for key, (serial, info) in zip(keys, now.tolist()):
-            if key[1] != serial or info_state(info) != PAGE_COMMITTED:
+        alive = self.tables.still_committed([p for p, _ in keys], [s for _, s in keys])
+        for key, ok in zip(keys, alive.tolist()):
+            if not ok:
                 del self._plans[key]
         self._plans_checked_at = max(64, 2 * len(self._plans))
 
