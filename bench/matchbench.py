@@ -22,7 +22,7 @@ import numpy as np
 
 import gpukv
 from gpukv import introspect
-from gpukv.core.layout import BLK_FLAGS, FLAG_IN_USE, FLAG_ROOT
+from gpukv.core.layout import BLK_INFO, FLAG_IN_USE, FLAG_ROOT
 from gpukv.sim.workload import as_flat, load_mooncake_trace
 from . import knobs
 
@@ -207,7 +207,7 @@ def build_workload(path, n_ins: int, n_q: int) -> MatchWorkload:
     expected = np.array([base.expected_partial(q, int(n)) for q, n in zip(queries, expected_full)], dtype=np.int64)
     registered = [mgr.token_sequence(q) for q in queries]
     mgr.match_batch(registered)  # hash the registered blocks once (cached per sequence)
-    flags = mgr._backend.to_host(mgr._tables.blocks)[:, BLK_FLAGS]
+    flags = mgr._backend.to_host(mgr._tables.blocks)[:, BLK_INFO]
     tree_blocks = int(((flags & FLAG_IN_USE) != 0).sum() - ((flags & FLAG_ROOT) != 0).sum())
     return MatchWorkload(mgr, base, n_ins, int(sum(t.size for t in inserted)), tree_blocks, inserted, queries, lists,
                          registered, expected_full, expected, times)

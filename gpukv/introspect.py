@@ -28,11 +28,10 @@ from .core.layout import (
     BID_KEY,
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
-    BLK_FLAGS,
     BLK_HASH_NEXT,
+    BLK_INFO,
     BLK_LAST_CHILD,
     BLK_NEXT_SIBLING,
-    BLK_NUM_TOKENS,
     BLK_ORDINAL,
     BLK_PARENT,
     BLK_SCOPE,
@@ -66,12 +65,13 @@ from .core.layout import (
     STAMP_LRU_TICK,
     PAGE_STAMPS,
     PAGES,
-    SLOT_COVERAGE,
     SLOT_PAGE,
     SLOTS,
+    info_flags,
     info_held,
     info_level,
     info_listed,
+    info_num_tokens,
     info_priority,
     info_state,
     slot_row,
@@ -89,8 +89,8 @@ def page_life_cycles(tables) -> np.ndarray:
 def tables(mgr) -> dict:
     """The device tables as NumPy structured arrays with named fields.
 
-    ``blocks`` with ``block_ids`` (the same rows: the chain key), ``slots``
-    (row = block * num_life_cycles + life cycle), ``pages`` (decoded:
+    ``blocks`` (decoded: ``blocks_view``) with ``block_ids`` (the same rows: the chain key), ``slots``
+    (row = block * num_life_cycles + life cycle; decoded: ``slots_view``), ``pages`` (decoded:
     ``pages_view``) with ``page_stamps`` (the same rows: LRU tick) and ``log``;
     ``tokens`` is the plain [rows, T] token array and ``digests`` the plain
     [rows, 4] int64 SHA-256 chain keys ([0, 4] with ``block_digests`` off).
@@ -103,8 +103,9 @@ def tables(mgr) -> dict:
     ``page_life_cycles``."""
     t = mgr._tables
     h = t.backend.to_host
-    blocks = BLOCKS.view(h(t.blocks))
-    slots = SLOTS.view(h(t.slots))
+    blocks = blocks_view(h(t.blocks))
+    raw_pages = h(t.pages)
+    slots = slots_view(h(t.slots), raw_pages)
     return {
         "blocks": blocks,
         "block_ids": BLOCK_IDS.view(h(t.block_ids)),
@@ -112,12 +113,36 @@ def tables(mgr) -> dict:
         "tokens": np.array(h(t.tokens)),
         "slots": slots,
         "block_slots": slots.reshape(blocks.shape[0], len(mgr.config.life_cycles)),
-        "pages": pages_view(t, h(t.pages)),
+        "pages": pages_view(t, raw_pages),
         "page_stamps": PAGE_STAMPS.view(h(t.page_stamps)),
         "log": LOG.view(h(t.log)),
         "lru_lists": LRU_LISTS.view(h(t.lru_lists)),
         "lru_groups": LRU_GROUPS.view(h(t.lru_groups)),
     }
+
+
+def blocks_view(raw) -> np.ndarray:
+    """A host copy of the block table as a structured array: its stored
+    fields and, decoded from ``info``, each row's ``num_tokens`` and
+    ``flags`` (``layout.FLAG_*``)."""
+    info = raw[:, BLK_INFO]
+    decoded = np.column_stack([raw, info_num_tokens(info), info_flags(info)])
+    return _BLOCKS_DECODED.view(decoded.astype(BLOCKS.dtype, copy=False))
+
+
+_BLOCKS_DECODED = Layout("blocks_decoded", BLOCKS.dtype, BLOCKS.fields + [("num_tokens", 1), ("flags", 1)])
+
+
+def slots_view(raw, raw_pages) -> np.ndarray:
+    """A host copy of the slot table (``raw``) as a structured array: each
+    slot's ``page`` and, read from that page (``raw_pages``: the page
+    table's rows), its ``coverage``, 0 when empty."""
+    page = raw[:, SLOT_PAGE]
+    cov = np.where(page == NULL, 0, raw_pages[page, PAGE_COVERAGE]) if raw_pages.shape[0] else np.zeros_like(page)
+    return _SLOTS_DECODED.view(np.column_stack([raw, cov]).astype(SLOTS.dtype, copy=False))
+
+
+_SLOTS_DECODED = Layout("slots_decoded", SLOTS.dtype, SLOTS.fields + [("coverage", 1)])
 
 
 def pages_view(tables, raw) -> np.ndarray:
@@ -215,8 +240,9 @@ def page_of(mgr, block: BlockRef, life_cycle_id: int):
     r = mgr._tree.resolve(block)
     mgr._tree._check_lc(life_cycle_id)
     L = len(mgr.config.life_cycles)
-    p, c = mgr._backend.to_host(mgr._tables.slots[slot_row(r, life_cycle_id, L)])
-    return None if p == NULL else (int(p), int(c))
+    h = mgr._backend.to_host
+    p = int(h(mgr._tables.slots[slot_row(r, life_cycle_id, L), SLOT_PAGE]))
+    return None if p == NULL else (p, int(h(mgr._tables.pages[p, PAGE_COVERAGE])))
 
 
 # -- the tree, driven one operation at a time ------------------------------------------------
@@ -268,7 +294,7 @@ def make_childless_root(mgr, scope=None) -> int:
     sid = tree.scope_id(scope, create=True)
     tree._op(OP_INSERT, (sid, tree.scope_key(sid), 0, 0, *tree._scope_digests[sid]), np.zeros(1, dtype=np.int32))
     raw = mgr._backend.to_host(mgr._tables.blocks)
-    live_root = (raw[:, BLK_FLAGS] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE)
+    live_root = (raw[:, BLK_INFO] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE)
     (root,) = np.nonzero(live_root & (raw[:, BLK_SCOPE] == sid))[0]
     return int(root)
 
@@ -304,7 +330,8 @@ def reuse_match_pages(mgr, tokens, life_cycle_id, scope=None, enable_partial=Fal
     if not isinstance(life_cycle_id, (int, np.integer)) or not 0 <= life_cycle_id < L:
         raise ValueError(f"life_cycle_id must be in 0..{L - 1}, got {life_cycle_id!r}")
     m = mgr._matcher.match([tokens], scope, partial=bool(enable_partial), backoff=0).to_host()
-    slots = mgr._backend.to_host(mgr._tables.slots)
+    h = mgr._backend.to_host
+    slots = slots_view(h(mgr._tables.slots), h(mgr._tables.pages))
     pages = []
     for r in m.blocks(0):
         p, c = slots[slot_row(int(r), life_cycle_id, L)]
@@ -358,7 +385,7 @@ def check_sanity(mgr):
     T = mgr.config.tokens_per_block
     L = len(mgr.config.life_cycles)
     tree = mgr._tree
-    in_use = np.nonzero(raw[:, BLK_FLAGS] & FLAG_IN_USE)[0]
+    in_use = np.nonzero(raw[:, BLK_INFO] & FLAG_IN_USE)[0]
 
     def fail(n, msg):
         raise AssertionError(f"invariant {n} broken: {msg}")
@@ -386,7 +413,7 @@ def check_sanity(mgr):
             siblings.add(int(r))
             r = raw[r, BLK_FIRST_NEXT]
     for r in in_use:
-        flags = raw[r, BLK_FLAGS]
+        flags = raw[r, BLK_INFO]
         attached = bool(flags & FLAG_ATTACHED)
         if bool(attached and not flags & FLAG_ROOT) != (int(r) in siblings):
             fail(4, f"row {r}: attached non-root={bool(attached and not flags & FLAG_ROOT)} but in the sibling index={int(r) in siblings}")
@@ -404,8 +431,8 @@ def check_sanity(mgr):
                 fail(5, f"orphan row {r} still names parent {raw[r, BLK_PARENT]}")
             continue
         p = raw[r, BLK_PARENT]
-        n = raw[r, BLK_NUM_TOKENS]
-        if not (raw[p, BLK_FLAGS] & FLAG_IN_USE and raw[p, BLK_FLAGS] & FLAG_ATTACHED):
+        n = info_num_tokens(raw[r, BLK_INFO])
+        if not (raw[p, BLK_INFO] & FLAG_IN_USE and raw[p, BLK_INFO] & FLAG_ATTACHED):
             fail(2, f"row {r}'s parent {p} is not an attached block")
         if raw[r, BLK_ORDINAL] != raw[p, BLK_ORDINAL] + 1:
             fail(2, f"row {r} has ordinal {raw[r, BLK_ORDINAL]}, parent has {raw[p, BLK_ORDINAL]}")
@@ -422,7 +449,7 @@ def check_sanity(mgr):
     # Children lists: every attached block is in its parent's list exactly
     # once; siblings have unique keys and none is a strict prefix of another.
     for p in in_use:
-        if not raw[p, BLK_FLAGS] & FLAG_ATTACHED:
+        if not raw[p, BLK_INFO] & FLAG_ATTACHED:
             continue
         kids = []
         c = raw[p, BLK_FIRST_CHILD]
@@ -434,7 +461,7 @@ def check_sanity(mgr):
         if (kids[-1] if kids else NULL) != raw[p, BLK_LAST_CHILD]:
             fail(2, f"row {p}'s children list ends at {kids[-1] if kids else NULL}, its last child is "
                     f"{raw[p, BLK_LAST_CHILD]}")
-        seqs = [tuple(toks[k, : raw[k, BLK_NUM_TOKENS]]) for k in kids]
+        seqs = [tuple(toks[k, : info_num_tokens(raw[k, BLK_INFO])]) for k in kids]
         if len(set(seqs)) != len(seqs):
             fail(4, f"row {p} has two children with the same tokens")
         for a in seqs:
@@ -447,21 +474,19 @@ def check_sanity(mgr):
     raw_pages = decoded[:, :PAGES.width]
     page_lc, listed_in = decoded[:, _PAGES_DECODED.col("life_cycle")], decoded[:, _PAGES_DECODED.col("lru_list")]
     for r in in_use:
-        if raw[r, BLK_FLAGS] & FLAG_ROOT:
+        if raw[r, BLK_INFO] & FLAG_ROOT:
             continue
         for lc in range(L):
-            pg, cov = slots[slot_row(r, lc, L)]
+            pg = slots[slot_row(r, lc, L)]["page"]
             if pg == NULL:
-                if cov != 0:
-                    fail(6, f"empty slot ({r}, {lc}) has coverage {cov}")
                 continue
             page = pages[pg]
             if page["state"] != PAGE_COMMITTED:
                 fail(7, f"slot ({r}, {lc}) refers to page {pg}, which is not a live committed page")
             if page["block"] != r or page_lc[pg] != lc:
                 fail(6, f"slot ({r}, {lc}) holds page {pg} whose back-pointer is ({page['block']}, {page_lc[pg]})")
-            if page["coverage"] != cov or not 1 <= cov <= raw[r, BLK_NUM_TOKENS]:
-                fail(6, f"slot ({r}, {lc}) coverage {cov} (page says {page['coverage']}) outside 1..{raw[r, BLK_NUM_TOKENS]}")
+            if not 1 <= page["coverage"] <= info_num_tokens(raw[r, BLK_INFO]):
+                fail(6, f"slot ({r}, {lc}) page {pg} coverage {page['coverage']} outside 1..{info_num_tokens(raw[r, BLK_INFO])}")
     linked = np.nonzero(raw_pages[:, PAGE_BLOCK] != NULL)[0]
     for pg in linked:
         r = raw_pages[pg, PAGE_BLOCK]
@@ -570,7 +595,7 @@ def _check_monotone_coverage(mgr, slots, raw, serials, digs, in_use, L):
     history = mgr.__dict__.setdefault("_sanity_coverage", {})
     seen = {}
     for r in in_use:
-        if raw[r, BLK_FLAGS] & FLAG_ROOT or not raw[r, BLK_FLAGS] & FLAG_ATTACHED:
+        if raw[r, BLK_INFO] & FLAG_ROOT or not raw[r, BLK_INFO] & FLAG_ATTACHED:
             continue
         key = int64x4_to_digest(digs[r]) if mgr.config.block_digests else int(raw[r, BLK_SERIAL])
         for lc in range(L):
@@ -607,10 +632,10 @@ def dump(mgr) -> str:
     digs = mgr._backend.to_host(mgr._tables.digests)
     digests = mgr.config.block_digests
     toks = mgr._backend.to_host(mgr._tables.tokens)
-    slots = mgr._backend.to_host(mgr._tables.slots)
+    slots = slots_view(mgr._backend.to_host(mgr._tables.slots), mgr._backend.to_host(mgr._tables.pages))
     L = len(mgr.config.life_cycles)
     lines = []
-    roots = np.nonzero((raw[:, BLK_FLAGS] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE))[0]
+    roots = np.nonzero((raw[:, BLK_INFO] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE))[0]
     for root in roots:
         scope = _scope_of(mgr._tree, raw[root, BLK_SCOPE])
         lines.append(f"root row {root} {scope}")
@@ -620,12 +645,12 @@ def dump(mgr) -> str:
             if r == NULL:
                 continue
             stack.append((raw[r, BLK_NEXT_SIBLING], depth))
-            n = raw[r, BLK_NUM_TOKENS]
+            n = info_num_tokens(raw[r, BLK_INFO])
             shown = [int(x) for x in toks[r, : min(n, 6)]]
             tail = "..." if n > 6 else ""
             pages = " ".join(
-                "-" if slots[slot_row(r, lc, L), SLOT_PAGE] == NULL
-                else f"{slots[slot_row(r, lc, L), SLOT_PAGE]}:{slots[slot_row(r, lc, L), SLOT_COVERAGE]}"
+                "-" if slots[slot_row(r, lc, L)]["page"] == NULL
+                else f"{slots[slot_row(r, lc, L)]['page']}:{slots[slot_row(r, lc, L)]['coverage']}"
                 for lc in range(L)
             )
             key = int64x4_to_digest(digs[r]).hex()[:8] if digests else f"#{raw[r, BLK_SERIAL]}"

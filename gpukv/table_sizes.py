@@ -104,10 +104,12 @@ def preallocated_sizes(config: CacheConfig) -> dict:
 
 def index_buckets(rows: int) -> int:
     """Bucket heads of each child index (by key, by parent and first token)
-    for ``rows`` block rows: a power of two (a bucket is a mask of the key)
-    at least ``rows``, so chains average at most one row more than the hit
-    when every row is in the tree (an int32 head per row, not two)."""
-    return pow2_at_least(rows)
+    for ``rows`` block rows: a power of two (a bucket is a mask of the key),
+    the one at least ``rows / 2``. A full tree's chains then average at
+    most two rows; a lookup rarely walks one, since a match follows runs
+    of consecutive rows and looks a block up by key only where a run
+    breaks (``kernels/walk.py``). Half an int32 head per row in each index."""
+    return max(1, pow2_at_least(rows) // 2)
 
 
 def pow2_at_least(n: int) -> int:

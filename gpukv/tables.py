@@ -42,8 +42,8 @@ from .core.layout import (
     SHA256_WORK_WORDS,
     BID_KEY,
     BLK_FIRST_NEXT,
-    BLK_FLAGS,
     BLK_HASH_NEXT,
+    BLK_INFO,
     BLK_PARENT,
     BLOCK_IDS,
     BLOCKS,
@@ -149,12 +149,11 @@ class Tables:
         sizes0 = preallocated_sizes(config)
         rows = sizes0["blocks"]
         self.blocks = xp.full((rows, BLOCKS.width), NULL, dtype=BLOCKS.dtype)
-        self.blocks[:, BLK_FLAGS] = 0
+        self.blocks[:, BLK_INFO] = 0
         self.block_ids = xp.full((rows, BLOCK_IDS.width), NULL, dtype=BLOCK_IDS.dtype)
         self.digests = xp.full((self._digest_rows(rows), 4), NULL, dtype=np.int64)
         self.tokens = xp.zeros((rows, T), dtype=np.int32)
-        self.slots = xp.zeros((rows * L, SLOTS.width), dtype=np.int32)
-        self.slots[:, 0] = NULL
+        self.slots = xp.full((rows * L, SLOTS.width), NULL, dtype=SLOTS.dtype)
         # Rows and page indices fit 32 bits (``ROW_DTYPE``): the bucket heads
         # and free lists hold nothing else.
         self.buckets = xp.full(index_buckets(rows), NULL, dtype=ROW_DTYPE)
@@ -304,16 +303,15 @@ class Tables:
         extra = new - old
         blocks = xp.full((new, BLOCKS.width), NULL, dtype=BLOCKS.dtype)
         blocks[:old] = self.blocks
-        blocks[old:, BLK_FLAGS] = 0
+        blocks[old:, BLK_INFO] = 0
         block_ids = xp.full((new, BLOCK_IDS.width), NULL, dtype=BLOCK_IDS.dtype)
         block_ids[:old] = self.block_ids
         digests = xp.full((self._digest_rows(new), 4), NULL, dtype=np.int64)
         digests[:self.digests.shape[0]] = self.digests
         tokens = xp.zeros((new, self.tokens_per_block), dtype=np.int32)
         tokens[:old] = self.tokens
-        slots = xp.zeros((new * L, SLOTS.width), dtype=np.int32)
+        slots = xp.full((new * L, SLOTS.width), NULL, dtype=SLOTS.dtype)
         slots[: old * L] = self.slots
-        slots[old * L:, 0] = NULL
         block_free = xp.empty(new, dtype=np.int64)
         # New rows go under the existing free entries, lowest popped first.
         block_free[:extra] = xp.arange(new - 1, old - 1, -1, dtype=np.int64)
@@ -336,7 +334,7 @@ class Tables:
         """Re-chain every indexed row into new buckets: attached blocks and roots
         by key, attached non-root blocks by (parent row, first token)."""
         xp = self.xp
-        flags = self.blocks[:, BLK_FLAGS]
+        flags = self.blocks[:, BLK_INFO]
         attached = (flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)
         rows = xp.nonzero(attached)[0]
         mask = num_buckets - 1
@@ -413,7 +411,7 @@ class Tables:
         interned since the last collection are kept (a call interning several
         may not have stored the first ones yet); the next one frees them."""
         xp = self.xp
-        in_use = xp.nonzero(self.blocks[:, BLK_FLAGS] & FLAG_IN_USE)[0]
+        in_use = xp.nonzero(self.blocks[:, BLK_INFO] & FLAG_IN_USE)[0]
         held = [self.tokens[in_use].reshape(-1), *self.digest_references()]
         ids = [np.asarray(self.backend.to_host(a[a < 0])) for a in held if a.shape[0]]
         live = np.unique(np.concatenate(ids)) if ids else np.zeros(0, dtype=np.int32)

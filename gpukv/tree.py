@@ -30,10 +30,9 @@ from .kernels.tree import (
     build_tree_kernel,
 )
 from .core.layout import (
+    BLK_INFO,
     BLK_SCOPE,
-    BLK_FLAGS,
     BLK_SERIAL,
-    BLK_NUM_TOKENS,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
@@ -41,6 +40,7 @@ from .core.layout import (
     PAGE_BLOCK,
     PAGE_INFO,
     PAGE_COMMITTED,
+    info_num_tokens,
     info_state,
 )
 from .core.config import DEFAULT_PRIORITY, check_priority
@@ -130,7 +130,7 @@ class BlockTree:
     def _collect_scopes(self):
         """Forget the scopes nothing refers to: no root in the tables (a root
         lives while its scope has blocks) and no open cache."""
-        flags = self.backend.to_host(self.tables.blocks[:, BLK_FLAGS])
+        flags = self.backend.to_host(self.tables.blocks[:, BLK_INFO])
         roots = np.nonzero((flags & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE))[0]
         live = set(self.backend.to_host(self.tables.blocks[:, BLK_SCOPE])[roots].tolist())
         live.update(self.scopes_in_use())
@@ -189,7 +189,7 @@ class BlockTree:
         if not 0 <= ref.row < self.tables.num_rows:
             raise ValueError(f"{what} refers to row {ref.row}, outside the table")
         row = self.row(ref.row)
-        if not row[BLK_FLAGS] & FLAG_IN_USE or self.key_of(ref.row) != ref.key:
+        if not row[BLK_INFO] & FLAG_IN_USE or self.key_of(ref.row) != ref.key:
             raise ValueError(f"{what} is stale: its block no longer exists")
         return ref.row
 
@@ -210,10 +210,10 @@ class BlockTree:
             # A child lives in its parent's scope; a different explicit scope is a mistake.
             p = self.resolve(parent, "parent")
             row = self.row(p)
-            if not row[BLK_FLAGS] & FLAG_ATTACHED:
+            if not row[BLK_INFO] & FLAG_ATTACHED:
                 raise ValueError("parent is detached from the tree (an orphan)")
-            if not row[BLK_FLAGS] & FLAG_ROOT and row[BLK_NUM_TOKENS] != T:
-                raise ValueError(f"parent is a partial block ({row[BLK_NUM_TOKENS]} of {T} tokens); only full blocks have children")
+            if not row[BLK_INFO] & FLAG_ROOT and info_num_tokens(row[BLK_INFO]) != T:
+                raise ValueError(f"parent is a partial block ({info_num_tokens(row[BLK_INFO])} of {T} tokens); only full blocks have children")
             sid = int(row[BLK_SCOPE])
             if scope is not None and self.scope_id(scope) != sid:
                 raise ValueError("scope differs from the parent's scope")
@@ -250,7 +250,7 @@ class BlockTree:
         slot when strictly wider than the incumbent; returns it, or NULL."""
         r = self.resolve(block)
         self._check_lc(lc)
-        n = int(self.row(r)[BLK_NUM_TOKENS])
+        n = int(info_num_tokens(self.row(r)[BLK_INFO]))
         if not isinstance(coverage, (int, np.integer)) or isinstance(coverage, bool):
             raise TypeError(f"coverage must be an int, got {coverage!r}")
         if not 1 <= coverage <= n:

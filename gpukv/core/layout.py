@@ -63,7 +63,9 @@ BLOCKS = Layout(
     [
         # The fields a walk reads per hop come first, so they share a cache line.
         ("parent", 1),  # parent row; NULL for a root and for an orphan
-        ("num_tokens", 1),  # 1..T (T for full blocks); 0 for roots
+        # Its token count (1..T, T for a full block; 0 for a root) and its
+        # FLAG_* bits, packed (``block_info`` below).
+        ("info", 1),
         ("hash_next", 1),  # next row in this key's child-index bucket
         ("first_next", 1),  # next row in this (parent, first token) bucket
         ("first_child", 1),  # children in insertion order, as a doubly linked list
@@ -72,7 +74,6 @@ BLOCKS = Layout(
         ("prev_sibling", 1),
         ("ordinal", 1),  # parent ordinal + 1; roots are -1
         ("scope", 1),  # interned reuse-scope id
-        ("flags", 1),  # FLAG_* bits below
         ("refs", 1),  # sequences referring to this row (keeps an orphan's row alive)
         # Creation order (siblings' insertion order), and what tells a block
         # from a later one in its row. 32 bits that wrap: blocks compare by
@@ -97,9 +98,28 @@ BLOCK_IDS = Layout(
 FLAG_IN_USE = 1  # the row holds a block (attached or orphan)
 FLAG_ATTACHED = 2  # reachable from a root
 FLAG_ROOT = 4
+# A block's ``info``: its FLAG_* bits low, its token count above them, so a
+# walk reads both in one load. Kernels compile these functions
+# (``kernels/index.py``); the host applies them to whole columns.
+BLOCK_FLAG_BITS = 3
+FLAG_MASK = (1 << BLOCK_FLAG_BITS) - 1
+
+
+def block_info(num_tokens, flags):
+    return (num_tokens << BLOCK_FLAG_BITS) | flags
+
+
+def info_num_tokens(info):
+    return info >> BLOCK_FLAG_BITS
+
+
+def info_flags(info):
+    return info & FLAG_MASK
+
 
 # One row per (block, life cycle): row = block * num_life_cycles + life_cycle.
-SLOTS = Layout("slots", np.int32, [("page", 1), ("coverage", 1)])
+# A slot holds its page's row; the page's coverage is the slot's (``kernels/pages.coverage``).
+SLOTS = Layout("slots", np.int32, [("page", 1)])
 
 # One row per page of every life cycle's pool (all cache levels).
 PAGES = Layout(
@@ -478,7 +498,7 @@ BATCH_WIDTH = BATCH_ARGS + SEQ_ARGS_WIDTH
 # them; _check_columns below fails at import if one is missing or wrong.
 
 BLK_PARENT = 0
-BLK_NUM_TOKENS = 1
+BLK_INFO = 1
 BLK_HASH_NEXT = 2
 BLK_FIRST_NEXT = 3
 BLK_FIRST_CHILD = 4
@@ -487,14 +507,12 @@ BLK_NEXT_SIBLING = 6
 BLK_PREV_SIBLING = 7
 BLK_ORDINAL = 8
 BLK_SCOPE = 9
-BLK_FLAGS = 10
-BLK_REFS = 11
-BLK_SERIAL = 12
+BLK_REFS = 10
+BLK_SERIAL = 11
 
 BID_KEY = 0
 
 SLOT_PAGE = 0
-SLOT_COVERAGE = 1
 
 PAGE_BLOCK = 0
 PAGE_COVERAGE = 1

@@ -19,11 +19,10 @@ from ..core.layout import (
     BID_WIDTH,
     BLK_FIRST_CHILD,
     BLK_FIRST_NEXT,
-    BLK_FLAGS,
     BLK_HASH_NEXT,
+    BLK_INFO,
     BLK_LAST_CHILD,
     BLK_NEXT_SIBLING,
-    BLK_NUM_TOKENS,
     BLK_ORDINAL,
     BLK_PARENT,
     BLK_PREV_SIBLING,
@@ -45,6 +44,7 @@ from ..core.layout import (
     EV_REMOVED_LIFE_CYCLE,
     FLAG_ATTACHED,
     FLAG_IN_USE,
+    FLAG_MASK,
     FLAG_ROOT,
     NULL,
     OUT_BLOCK,
@@ -58,6 +58,7 @@ from ..core.layout import (
     RETIRED_ROOT_REMOVED,
     RETIRED_ROW_BITS,
     as_int32,
+    block_info,
 )
 from .dlist import dlist_insert_after, dlist_remove
 from .link import helper
@@ -69,6 +70,7 @@ from .index import (
     index_remove,
     is_attached,
     is_root,
+    num_tokens,
     sibling_bucket_of,
     tokens_equal,
 )
@@ -94,14 +96,13 @@ def alloc_block(S):
     if S.policy[POLICY_BLOCK_DIGESTS] != 0:
         for w in range(4):
             S.digests[r, w] = NULL
-    S.blocks[r, BLK_NUM_TOKENS] = 0
-    S.blocks[r, BLK_FLAGS] = FLAG_IN_USE
+    S.blocks[r, BLK_INFO] = block_info(0, FLAG_IN_USE)
     S.blocks[r, BLK_REFS] = 0
     S.blocks[r, BLK_SERIAL] = as_int32(S.counters[CNT_SERIAL])
     S.counters[CNT_SERIAL] += 1
     L = S.lc_kind.shape[0]
     for lc in range(L):
-        set_slot(S, r, lc, NULL, 0)
+        set_slot(S, r, lc, NULL)
     return r
 
 
@@ -119,7 +120,7 @@ def retire(S, r, kind):
 @helper
 def free_block_row(S, r):
     """The row is free from the next launch on (the host pushes it)."""
-    S.blocks[r, BLK_FLAGS] = 0
+    S.blocks[r, BLK_INFO] &= ~FLAG_MASK  # no flags: free (its token count stays, for its retirement)
     S.counters[CNT_LIVE_BLOCKS] -= 1
     n = S.blocks[r, BLK_HASH_NEXT]
     i = S.block_free.shape[0] - 1 - n
@@ -172,14 +173,14 @@ def detach(S, r):
     remove_child(S, parent, r)
     index_remove(S, r)
     S.blocks[r, BLK_PARENT] = NULL
-    S.blocks[r, BLK_FLAGS] &= ~FLAG_ATTACHED
+    S.blocks[r, BLK_INFO] &= ~FLAG_ATTACHED
     S.counters[CNT_DETACHES] += 1
     if S.blocks[r, BLK_REFS] > 0:  # a cache's chain loses a block (CachePool.attached_at)
         S.counters[CNT_HELD_DETACHES] += 1
     retire(S, r, RETIRED_REMOVED)  # EV_REMOVED, in its place among the log's records
     if is_root(S, parent) and S.blocks[parent, BLK_FIRST_CHILD] == NULL:
         index_remove(S, parent)
-        S.blocks[parent, BLK_FLAGS] = 0
+        S.blocks[parent, BLK_INFO] &= ~FLAG_MASK
         S.counters[CNT_LIVE_BLOCKS] -= 1
         retire(S, parent, RETIRED_ROOT_REMOVED)
     maybe_free_orphan(S, r)
@@ -245,14 +246,14 @@ def clear_tree(S):
     while True:
         r = NULL
         for c in range(S.blocks.shape[0]):  # the oldest remaining root
-            if (S.blocks[c, BLK_FLAGS] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE):
+            if (S.blocks[c, BLK_INFO] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE):
                 if r == NULL or created_before(S, c, r):
                     r = c
         if r == NULL:
             return
-        while (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0 and S.blocks[r, BLK_FIRST_CHILD] != NULL:
+        while (S.blocks[r, BLK_INFO] & FLAG_IN_USE) != 0 and S.blocks[r, BLK_FIRST_CHILD] != NULL:
             remove_subtree(S, S.blocks[r, BLK_FIRST_CHILD])
-        if (S.blocks[r, BLK_FLAGS] & FLAG_IN_USE) != 0:
+        if (S.blocks[r, BLK_INFO] & FLAG_IN_USE) != 0:
             # a root that never got a child
             index_remove(S, r)
             free_block_row(S, r)
@@ -268,7 +269,7 @@ def get_or_create_root(S, scope_id, scope_key, scope_digest):
         return NULL
     S.block_ids[r, BID_KEY] = scope_key
     S.blocks[r, BLK_SCOPE] = scope_id
-    S.blocks[r, BLK_FLAGS] = FLAG_IN_USE | FLAG_ATTACHED | FLAG_ROOT
+    S.blocks[r, BLK_INFO] = block_info(0, FLAG_IN_USE | FLAG_ATTACHED | FLAG_ROOT)
     if S.policy[POLICY_BLOCK_DIGESTS] != 0:
         for w in range(4):
             S.digests[r, w] = scope_digest[w]
@@ -285,7 +286,7 @@ def adopt_pages_from(S, r, other):
     for lc in range(S.lc_kind.shape[0]):
         p = page_of(S, other, lc)
         if p != NULL and can_replace_page(S, r, lc, S.pages[p, PAGE_COVERAGE]):
-            set_slot(S, other, lc, NULL, 0)
+            set_slot(S, other, lc, NULL)
             replace_page(S, r, lc, p)
 
 
@@ -302,7 +303,7 @@ def add_or_get(S, parent, toks, start, n, out):
     T = S.tokens.shape[1]
     out[OUT_BLOCK] = NULL
     out[OUT_IS_NEW] = 0
-    if not is_root(S, parent) and S.blocks[parent, BLK_NUM_TOKENS] != T:
+    if not is_root(S, parent) and num_tokens(S, parent) != T:
         S.counters[CNT_ERROR] = ERR_NON_FULL_PARENT
         return
     key = combine(S.block_ids[parent, BID_KEY], content_hash(toks, start, n))
@@ -317,7 +318,7 @@ def add_or_get(S, parent, toks, start, n, out):
     c = S.sibling_buckets[sibling_bucket_of(S, parent, toks[start])]
     while c != NULL:
         if S.blocks[c, BLK_PARENT] == parent and S.tokens[c, 0] == toks[start]:
-            m = S.blocks[c, BLK_NUM_TOKENS]
+            m = num_tokens(S, c)
             if n < T and m >= n and tokens_equal(S, c, toks, start, n):
                 # the useless-partial rule: the first (in insertion order) covering sibling
                 if covering == NULL or created_before(S, c, covering):
@@ -334,9 +335,8 @@ def add_or_get(S, parent, toks, start, n, out):
     S.block_ids[r, BID_KEY] = key
     S.blocks[r, BLK_PARENT] = parent
     S.blocks[r, BLK_ORDINAL] = S.blocks[parent, BLK_ORDINAL] + 1
-    S.blocks[r, BLK_NUM_TOKENS] = n
     S.blocks[r, BLK_SCOPE] = S.blocks[parent, BLK_SCOPE]
-    S.blocks[r, BLK_FLAGS] = FLAG_IN_USE | FLAG_ATTACHED
+    S.blocks[r, BLK_INFO] = block_info(n, FLAG_IN_USE | FLAG_ATTACHED)
     for i in range(n):
         S.tokens[r, i] = toks[start + i]
     for i in range(n, T):

@@ -15,19 +15,30 @@ import numpy as np
 from ..core.layout import (
     BID_KEY,
     BLK_FIRST_NEXT,
-    BLK_FLAGS,
     BLK_HASH_NEXT,
-    BLK_NUM_TOKENS,
+    BLK_INFO,
     BLK_PARENT,
     BLK_SCOPE,
     BLK_SERIAL,
     FLAG_ATTACHED,
     FLAG_ROOT,
     NULL,
+    block_info,
+    info_num_tokens,
 )
 from .link import helper
 from .keys import sibling_hash
 
+# core/layout.py's block-info bits, compiled for kernels too.
+for _f in (block_info, info_num_tokens):
+    helper(_f)
+del _f
+
+
+@helper
+def num_tokens(S, r):
+    """The tokens block row ``r`` holds (1..T; 0 for a root)."""
+    return info_num_tokens(S.blocks[r, BLK_INFO])
 
 @helper
 def created_before(S, a, b):
@@ -39,12 +50,12 @@ def created_before(S, a, b):
 
 @helper
 def is_attached(S, r):
-    return (S.blocks[r, BLK_FLAGS] & FLAG_ATTACHED) != 0
+    return (S.blocks[r, BLK_INFO] & FLAG_ATTACHED) != 0
 
 
 @helper
 def is_root(S, r):
-    return (S.blocks[r, BLK_FLAGS] & FLAG_ROOT) != 0
+    return (S.blocks[r, BLK_INFO] & FLAG_ROOT) != 0
 
 
 @helper
@@ -78,7 +89,7 @@ def is_child(S, r, parent, key, toks, start, n):
     return (
         S.block_ids[r, BID_KEY] == key
         and S.blocks[r, BLK_PARENT] == parent
-        and S.blocks[r, BLK_NUM_TOKENS] == n
+        and num_tokens(S, r) == n
         and tokens_equal(S, r, toks, start, n)
     )
 
@@ -98,7 +109,7 @@ def find_child(S, parent, key, toks, start, n):
 def find_root(S, scope_id, scope_key):
     r = S.buckets[bucket_of(S, scope_key)]
     while r != NULL:
-        if (S.blocks[r, BLK_FLAGS] & FLAG_ROOT) != 0 and S.blocks[r, BLK_SCOPE] == scope_id:
+        if (S.blocks[r, BLK_INFO] & FLAG_ROOT) != 0 and S.blocks[r, BLK_SCOPE] == scope_id:
             return r
         r = S.blocks[r, BLK_HASH_NEXT]
     return NULL

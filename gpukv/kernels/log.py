@@ -9,7 +9,6 @@ events and for tests.
 from __future__ import annotations
 
 from ..core.layout import (
-    BLK_NUM_TOKENS,
     BLK_PARENT,
     CNT_ERROR,
     CNT_LOG_LEN,
@@ -32,7 +31,7 @@ from ..core.layout import (
     POLICY_LOG_RECORDS,
 )
 from .link import helper
-from .index import is_root
+from .index import is_root, num_tokens
 from .pages import coverage, page_level, page_of, page_priority
 
 
@@ -72,7 +71,7 @@ def announce(S, r, kind, lc):
         for w in range(4):
             S.log[n, LOG_PARENT_DIGEST + w] = S.digests[parent, w]
     S.log[n, LOG_PARENT_IS_ROOT] = 1 if parent == NULL or is_root(S, parent) else 0
-    nt = S.blocks[r, BLK_NUM_TOKENS]
+    nt = num_tokens(S, r)
     S.log[n, LOG_NUM_TOKENS] = nt
     k = S.counters[CNT_LOG_TOKENS_LEN]
     if k >= S.log_tokens.shape[0]:

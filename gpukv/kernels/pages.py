@@ -33,7 +33,6 @@ from ..core.layout import (
     STAMP_LRU_TICK,
     PAGE_POOL_INDEX,
     PAGE_SERIAL,
-    SLOT_COVERAGE,
     SLOT_PAGE,
     as_int32,
     info_level,
@@ -80,15 +79,15 @@ def page_of(S, r, lc):
 
 @helper
 def coverage(S, r, lc):
-    """``cov(b, lc)``: the coverage of the slot's page, 0 when empty."""
-    return S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_COVERAGE]
+    """``cov(b, lc)``: the coverage of the slot's page, 0 when empty. A
+    linked page's coverage never changes, so the slot keeps no copy of it."""
+    p = page_of(S, r, lc)
+    return 0 if p == NULL else S.pages[p, PAGE_COVERAGE]
 
 
 @helper
-def set_slot(S, r, lc, page, cov):
-    row = slot_row(r, lc, S.lc_kind.shape[0])
-    S.slots[row, SLOT_PAGE] = page
-    S.slots[row, SLOT_COVERAGE] = cov
+def set_slot(S, r, lc, page):
+    S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_PAGE] = page
 
 
 @helper
@@ -190,7 +189,7 @@ def unlink_page(S, r, lc, expected):
     if p == NULL or (expected != NULL and p != expected):
         return NULL
     S.pages[p, PAGE_BLOCK] = NULL
-    set_slot(S, r, lc, NULL, 0)
+    set_slot(S, r, lc, NULL)
     S.counters[CNT_UNLINKS] += 1  # a match made before may name this page (Launcher.removals)
     return p
 
@@ -198,7 +197,7 @@ def unlink_page(S, r, lc, expected):
 @helper
 def link_page(S, r, lc, p):
     S.pages[p, PAGE_BLOCK] = r
-    set_slot(S, r, lc, p, S.pages[p, PAGE_COVERAGE])
+    set_slot(S, r, lc, p)
 
 
 @helper(inline=False)  # a call: inlined at every slot change, it made the sequence kernels slow to compile

@@ -20,8 +20,7 @@ from ..core.kinds import is_checkpoint
 from ..core.layout import (
     BID_KEY,
     BLK_FIRST_NEXT,
-    BLK_FLAGS,
-    BLK_NUM_TOKENS,
+    BLK_INFO,
     BLK_PARENT,
     BLK_SERIAL,
     FLAG_ATTACHED,
@@ -33,7 +32,7 @@ from ..core.layout import (
     RES_NUM_TOKENS,
 )
 from .link import helper
-from .index import created_before, find_child, find_root
+from .index import created_before, find_child, find_root, num_tokens
 from .keys import combine, content_hash, sibling_hash
 from .lifecycle import stale_end, stale_start
 from .pages import coverage
@@ -42,7 +41,7 @@ from .pages import coverage
 @helper
 def common_prefix(S, r, toks, start, n):
     """Length of the common prefix of block ``r``'s tokens and ``toks[start:start+n]``."""
-    m = min(n, S.blocks[r, BLK_NUM_TOKENS])
+    m = min(n, num_tokens(S, r))
     row = S.tokens[r]
     for k in range(m):
         if row[k] != toks[start + k]:
@@ -125,7 +124,7 @@ def recall(S, B, i, hash_base, base):
         r = B.memo_rows[hash_base + k]
         if not B.trusted[i] and (
             S.blocks[r, BLK_SERIAL] != B.memo_serials[hash_base + k]
-            or (S.blocks[r, BLK_FLAGS] & FLAG_ATTACHED) == 0
+            or (S.blocks[r, BLK_INFO] & FLAG_ATTACHED) == 0
         ):
             break
         B.path[base + k] = r

@@ -15,7 +15,6 @@ from ..core.kinds import has_window, is_checkpoint
 from ..core.layout import (
     ALLOWED,
     BID_KEY,
-    BLK_NUM_TOKENS,
     BLK_ORDINAL,
     CNT_BLOCK_FREE_TOP,
     EV_STORED_BLOCK,
@@ -46,7 +45,7 @@ from ..core.layout import (
 from .link import helper
 from .blocks import add_or_get, adopt_pages_from, get_or_create_root
 from .evict import install_page, make_room, schedule
-from .index import bucket_of, is_attached, sibling_bucket_of
+from .index import bucket_of, is_attached, num_tokens, sibling_bucket_of
 from .keys import combine, content_hash
 from .prefetch import prefetch1
 from .lifecycle import is_stale, stale_end, stale_start
@@ -202,7 +201,7 @@ def commit_block(S, Q, o, last, ssm, move_ssm, out):
             replace_page(S, tb, lc, p)  # replaces any narrower page tb adopted
         announce(S, tb, EV_STORED_BLOCK, NULL)
         did = True
-    elif S.blocks[tb, BLK_NUM_TOKENS] == T and full:  # rebase
+    elif num_tokens(S, tb) == T and full:  # rebase
         stable = S.policy[POLICY_STABLE_PAGES] == 1
         for lc in range(L):
             p = Q.pages[o, lc]

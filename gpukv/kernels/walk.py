@@ -31,11 +31,11 @@ import numpy as np
 
 from ..core.layout import (
     BID_KEY,
-    BLK_FLAGS,
     BLK_HASH_NEXT,
-    BLK_NUM_TOKENS,
+    BLK_INFO,
     BLK_PARENT,
     FLAG_ATTACHED,
+    FLAG_IN_USE,
     HEAD_PENDING,
     LN_BLOCK,
     LN_COUNT,
@@ -45,6 +45,7 @@ from ..core.layout import (
     LN_REQUEST,
     LN_ROW,
     NULL,
+    block_info,
 )
 from .link import helper
 from .index import is_child, tokens_equal
@@ -104,8 +105,7 @@ def prefetch_row(S, r):
 def prefetch_run_row(S, r):
     """The cache lines of row ``r`` a run reads (``is_next_child``), if the row exists."""
     if r < S.blocks.shape[0]:
-        prefetch2(S.blocks, r, BLK_PARENT)
-        prefetch2(S.blocks, r, BLK_FLAGS)
+        prefetch2(S.blocks, r, BLK_PARENT)  # and its info: the next field, on the same line
         prefetch_row_tokens(S, r)
 
 
@@ -143,8 +143,7 @@ def is_next_child(S, r, parent, toks, start, T):
     return (
         r < S.blocks.shape[0]
         and S.blocks[r, BLK_PARENT] == parent
-        and S.blocks[r, BLK_NUM_TOKENS] == T
-        and (S.blocks[r, BLK_FLAGS] & FLAG_ATTACHED) != 0
+        and S.blocks[r, BLK_INFO] == block_info(T, FLAG_IN_USE | FLAG_ATTACHED)  # full, attached
         and tokens_equal(S, r, toks, start, T)
     )
 
