@@ -70,8 +70,8 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
       (the 64-bit chain key), ``digests`` (the 32-byte SHA-256 chain key,
       none without ``block_digests``), ``tokens``
       (``T`` int32), ``slots`` (one row per life cycle, int32), ``block_free``
-      (int64: it also holds a launch's retired rows), and two child-index
-      bucket arrays of the power of two at least ``r`` (int32:
+      (int32: it also holds a launch's retired rows), and two child-index
+      bucket arrays of half a head per row, a power of two (int32:
       ``table_sizes.index_buckets``);
     - per page ``P`` (GPU and host pages of every life cycle): ``pages``
       (its layout width, int32), ``page_stamps`` (the 64-bit LRU tick),
@@ -115,7 +115,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
         "page_stamps": record(PAGE_STAMPS, P),
         "buckets": buckets * ROW,
         "sibling_buckets": buckets * ROW,
-        "block_free": rows * INT64,
+        "block_free": rows * ROW,
         "pool_start": L * NUM_LEVELS * INT64,
         "pool_top": L * NUM_LEVELS * INT64,
         "pool_size": L * NUM_LEVELS * INT64,

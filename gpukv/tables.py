@@ -75,7 +75,7 @@ from .core.layout import (
     POLICY_LOG_RECORDS,
     POLICY_STABLE_PAGES,
     POLICY_WIDTH,
-    RETIRED_ROW_BITS,
+    RETIRED_TAG,
     ROW_DTYPE,
     SLOTS,
     PAGE_SERIAL,
@@ -95,7 +95,7 @@ DeviceTables = namedtuple(
         "page_stamps",  # int64 [pages, PAGE_STAMPS.width]: the pages' LRU ticks
         "buckets",  # int32 [power of two]: child-index bucket heads (by key)
         "sibling_buckets",  # int32 [power of two]: heads by (parent row, first token)
-        "block_free",  # int64 [rows]: free-row stack
+        "block_free",  # int32 [rows]: free-row stack, and a launch's retired rows at its end
         "pool_start",  # int64 [L * levels]: where each pool's stack starts in page_free
         "pool_top",  # int64 [L * levels]: free storage slots of each pool
         "pool_size",  # int64 [L * levels]
@@ -159,7 +159,7 @@ class Tables:
         self.buckets = xp.full(index_buckets(rows), NULL, dtype=ROW_DTYPE)
         self.sibling_buckets = xp.full(index_buckets(rows), NULL, dtype=ROW_DTYPE)
         # Pop order: row 0 first, so a young table is easy to read.
-        self.block_free = xp.arange(rows - 1, -1, -1, dtype=np.int64)
+        self.block_free = xp.arange(rows - 1, -1, -1, dtype=ROW_DTYPE)
         self.counters = xp.zeros(COUNTERS.width, dtype=np.int64)
         self.counters[CNT_BLOCK_FREE_TOP] = rows
 
@@ -312,9 +312,9 @@ class Tables:
         tokens[:old] = self.tokens
         slots = xp.full((new * L, SLOTS.width), NULL, dtype=SLOTS.dtype)
         slots[: old * L] = self.slots
-        block_free = xp.empty(new, dtype=np.int64)
+        block_free = xp.empty(new, dtype=ROW_DTYPE)
         # New rows go under the existing free entries, lowest popped first.
-        block_free[:extra] = xp.arange(new - 1, old - 1, -1, dtype=np.int64)
+        block_free[:extra] = xp.arange(new - 1, old - 1, -1, dtype=ROW_DTYPE)
         block_free[extra:extra + free] = self.block_free[:free]
         # A launch whose aftermath is pending keeps its retired rows' entries at the end.
         retired = int(self.counters_host()[CNT_RETIRED])
@@ -524,9 +524,9 @@ class Tables:
             z = np.zeros(0, dtype=np.int64)
             return z, z, z
         size = self.block_free.shape[0]
-        entries = np.array(self.backend.to_host(self.block_free[size - n:]))[::-1]
-        tag = entries >> RETIRED_ROW_BITS
-        return entries & ((1 << RETIRED_ROW_BITS) - 1), tag & 3, tag >> 2
+        rows = self.block_free[size - n:][::-1]
+        tag = np.array(self.backend.to_host(self.blocks[rows, RETIRED_TAG]), dtype=np.int64)
+        return np.array(self.backend.to_host(rows), dtype=np.int64), tag & 3, tag >> 2
 
     def digests_of(self, rows: np.ndarray) -> np.ndarray:
         """The chain digests ([n, 4] int64) of block rows, a host copy: read
@@ -540,7 +540,7 @@ class Tables:
         the caller's). Repeatable: the stack top moves in the same store."""
         top = int(self.counters_host()[CNT_BLOCK_FREE_TOP])
         if rows.size:
-            self.block_free[top:top + rows.size] = self.backend.to_device(rows.astype(np.int64))
+            self.block_free[top:top + rows.size] = self.backend.to_device(rows.astype(ROW_DTYPE))
         self.counters[self.backend.to_device(np.array([CNT_BLOCK_FREE_TOP, CNT_RETIRED]))] = self.backend.to_device(
             np.array([top + rows.size, 0], dtype=np.int64))
 

@@ -273,8 +273,9 @@ COUNTERS = Layout(
 )
 # Block rows a launch detaches or frees are retired, not reused in that launch:
 # each gets one entry at the end of ``block_free`` (the n-th at index
-# ``rows - 1 - n``), packed as ``(log position * 4 + kind) << 32 | row``, the
-# log position being the log's length when it happened. The row keeps its
+# ``rows - 1 - n``), its row, and the row records ``log position * 4 + kind``
+# in its ``RETIRED_TAG`` field, the log position being the log's length when
+# it happened (a row is retired at most once a launch). The row keeps its
 # digest until the host has drained the launch, so a removal costs no
 # change-log row (a page death may remove a whole subtree: a log sized for it
 # would be sized for every row). The host turns the entries into EV_REMOVED /
@@ -284,7 +285,6 @@ RETIRED_FREED = 0  # freed, nothing to report (an orphan whose last reference we
 RETIRED_REMOVED = 1  # detached, still referenced (an orphan): EV_REMOVED, not freed
 RETIRED_REMOVED_FREED = 2  # detached and freed: EV_REMOVED
 RETIRED_ROOT_REMOVED = 3  # a root that lost its last child, freed: EV_ROOT_REMOVED
-RETIRED_ROW_BITS = 32
 ERR_NONE = 0
 ERR_OUT_OF_BLOCKS = 1
 ERR_LOG_FULL = 2
@@ -509,6 +509,11 @@ BLK_ORDINAL = 8
 BLK_SCOPE = 9
 BLK_REFS = 10
 BLK_SERIAL = 11
+# A retired row's tag (RETIRED_* above) is kept in its sibling link, which
+# leaving its parent's child list set to NULL and nothing reads again: a
+# detached row is a leaf, a root has no siblings, and unlike the index
+# chains the column survives the tables' growth (a pending drain reads it).
+RETIRED_TAG = BLK_NEXT_SIBLING
 
 BID_KEY = 0
 

@@ -56,7 +56,7 @@ from ..core.layout import (
     RETIRED_REMOVED,
     RETIRED_REMOVED_FREED,
     RETIRED_ROOT_REMOVED,
-    RETIRED_ROW_BITS,
+    RETIRED_TAG,
     as_int32,
     block_info,
 )
@@ -112,8 +112,9 @@ def retire(S, r, kind):
     host reports and frees it after the launch, so nothing reuses it (or its
     digest) before then."""
     n = S.counters[CNT_RETIRED]
-    S.block_free[S.block_free.shape[0] - 1 - n] = ((S.counters[CNT_LOG_LEN] * 4 + kind) << RETIRED_ROW_BITS) | r
+    S.block_free[S.block_free.shape[0] - 1 - n] = r
     S.blocks[r, BLK_HASH_NEXT] = n  # out of the index by now: where its entry is, for a free later in the launch
+    S.blocks[r, RETIRED_TAG] = S.counters[CNT_LOG_LEN] * 4 + kind
     S.counters[CNT_RETIRED] = n + 1
 
 
@@ -124,9 +125,9 @@ def free_block_row(S, r):
     S.counters[CNT_LIVE_BLOCKS] -= 1
     n = S.blocks[r, BLK_HASH_NEXT]
     i = S.block_free.shape[0] - 1 - n
-    if 0 <= n < S.counters[CNT_RETIRED] and (S.block_free[i] & ((1 << RETIRED_ROW_BITS) - 1)) == r:
+    if 0 <= n < S.counters[CNT_RETIRED] and S.block_free[i] == r:
         # Detached earlier in this launch: its removal entry frees it too.
-        S.block_free[i] += (RETIRED_REMOVED_FREED - RETIRED_REMOVED) << RETIRED_ROW_BITS
+        S.blocks[r, RETIRED_TAG] += RETIRED_REMOVED_FREED - RETIRED_REMOVED
     else:
         retire(S, r, RETIRED_FREED)
 

@@ -30,6 +30,7 @@ from gpukv.core.layout import (
     PAGE_COMMITTED,
     PAGE_FREE,
     PAGE_SERIAL,
+    block_info,
 )
 from gpukv.tree import BlockRef
 
@@ -671,6 +672,25 @@ def test_tables_grow_when_more_rows_are_live_and_keep_the_tree(backend):
     sane(mgr)
     assert mgr.probe_reuse(seq) == len(seq)
     assert mgr.probe_reuse(seq[:T * 7 + 1]) == T * 7 + 1  # partial on the next full block
+
+
+def test_a_block_row_keeps_its_token_count_and_flags_in_one_word(backend):
+    """A row's ``info`` packs its token count and its flags; the introspected
+    view decodes both: a root (no tokens), a full block, a partial block
+    under it, and the rows a page death frees (flags cleared)."""
+    mgr = make_manager(backend, tokens_per_block=4)
+    full = introspect.make_test_block(mgr, [1, 2, 3, 4], [4])
+    part = introspect.make_test_block(mgr, [5, 6], [2], parent=full)
+    (root,) = roots(mgr)
+    b = blocks(mgr)
+    for row, n, flags in ((root, 0, FLAG_IN_USE | FLAG_ATTACHED | FLAG_ROOT),
+                          (full.row, 4, FLAG_IN_USE | FLAG_ATTACHED), (part.row, 2, FLAG_IN_USE | FLAG_ATTACHED)):
+        assert (b[row]["num_tokens"], b[row]["flags"], b[row]["info"]) == (n, flags, block_info(n, flags))
+    mgr._tree.page_death(introspect.page_of(mgr, full, 0)[0])  # full attention: the subtree and the root go
+    b = blocks(mgr)
+    assert [int(b[r]["flags"]) for r in (root, full.row, part.row)] == [0, 0, 0]
+    assert rows_in_use(mgr) == []
+    sane(mgr)
 
 
 def test_a_page_serial_counts_its_rows_allocations_and_wraps_at_32_bits(backend):
