@@ -32,9 +32,10 @@ from .core.layout import (
     Q_SSM_PAGE,
     Q_STATUS,
     SCRATCH,
-    SLOT_PAGE,
+    SLOT_WORD,
     SUSPENDED,
     USER_STOP,
+    slot_page,
     slot_row,
 )
 from .launcher import Launcher, serialized
@@ -251,7 +252,7 @@ class KVCache:
             start = planned_drop_start(life.kind, life.stale_range(N, self._T)[1], E)
             if start == NO_DROP:
                 continue  # later turns may still need these blocks
-            pages = b.to_host(self._tables.slots[b.to_device(slot_row(blocks[start:], lc, L)), SLOT_PAGE])
+            pages = slot_page(b.to_host(self._tables.slots[b.to_device(slot_row(blocks[start:], lc, L)), SLOT_WORD]))
             if (pages == NULL).any():
                 return None
             picked.extend(int(p) for p in pages)

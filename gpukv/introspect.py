@@ -39,6 +39,7 @@ from .core.layout import (
     BLOCK_IDS,
     BLOCKS,
     CNT_DETACHES,
+    EMPTY_SLOT,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
@@ -65,7 +66,7 @@ from .core.layout import (
     STAMP_LRU_TICK,
     PAGE_STAMPS,
     PAGES,
-    SLOT_PAGE,
+    SLOT_WORD,
     SLOTS,
     info_flags,
     info_held,
@@ -74,7 +75,9 @@ from .core.layout import (
     info_num_tokens,
     info_priority,
     info_state,
+    slot_page,
     slot_row,
+    slot_whole,
 )
 from .tree import BlockRef
 
@@ -134,15 +137,19 @@ _BLOCKS_DECODED = Layout("blocks_decoded", BLOCKS.dtype, BLOCKS.fields + [("num_
 
 
 def slots_view(raw, raw_pages) -> np.ndarray:
-    """A host copy of the slot table (``raw``) as a structured array: each
-    slot's ``page`` and, read from that page (``raw_pages``: the page
-    table's rows), its ``coverage``, 0 when empty."""
-    page = raw[:, SLOT_PAGE]
+    """A host copy of the slot table (``raw``) as a structured array: its
+    stored ``word`` and, decoded, each slot's ``page`` (NULL when empty),
+    ``whole`` (whether the word says its page covers all T tokens) and,
+    read from that page (``raw_pages``: the page table's rows), its
+    ``coverage``, 0 when empty."""
+    word = raw[:, SLOT_WORD]
+    page = slot_page(word)
     cov = np.where(page == NULL, 0, raw_pages[page, PAGE_COVERAGE]) if raw_pages.shape[0] else np.zeros_like(page)
-    return _SLOTS_DECODED.view(np.column_stack([raw, cov]).astype(SLOTS.dtype, copy=False))
+    decoded = np.column_stack([raw, page, slot_whole(word), cov])
+    return _SLOTS_DECODED.view(decoded.astype(SLOTS.dtype, copy=False))
 
 
-_SLOTS_DECODED = Layout("slots_decoded", SLOTS.dtype, SLOTS.fields + [("coverage", 1)])
+_SLOTS_DECODED = Layout("slots_decoded", SLOTS.dtype, SLOTS.fields + [("page", 1), ("whole", 1), ("coverage", 1)])
 
 
 def pages_view(tables, raw) -> np.ndarray:
@@ -230,7 +237,7 @@ def close_test_block(mgr, block: BlockRef):
     """Unlink and release every page of a test block (each death runs §2.7)."""
     r = mgr._tree.resolve(block)
     for lc in range(len(mgr.config.life_cycles)):
-        p = int(mgr._backend.to_host(mgr._tables.slots[r * len(mgr.config.life_cycles) + lc, SLOT_PAGE]))
+        p = int(slot_page(mgr._backend.to_host(mgr._tables.slots[r * len(mgr.config.life_cycles) + lc, SLOT_WORD])))
         if p != NULL:
             mgr._tree.page_death(p)
 
@@ -241,7 +248,7 @@ def page_of(mgr, block: BlockRef, life_cycle_id: int):
     mgr._tree._check_lc(life_cycle_id)
     L = len(mgr.config.life_cycles)
     h = mgr._backend.to_host
-    p = int(h(mgr._tables.slots[slot_row(r, life_cycle_id, L), SLOT_PAGE]))
+    p = int(slot_page(h(mgr._tables.slots[slot_row(r, life_cycle_id, L), SLOT_WORD])))
     return None if p == NULL else (p, int(h(mgr._tables.pages[p, PAGE_COVERAGE])))
 
 
@@ -334,7 +341,8 @@ def reuse_match_pages(mgr, tokens, life_cycle_id, scope=None, enable_partial=Fal
     slots = slots_view(h(mgr._tables.slots), h(mgr._tables.pages))
     pages = []
     for r in m.blocks(0):
-        p, c = slots[slot_row(int(r), life_cycle_id, L)]
+        s = slots[slot_row(int(r), life_cycle_id, L)]
+        p, c = s["page"], s["coverage"]
         pages.append(None if p == NULL else (int(p), int(c)))
     return int(m.num_tokens[0]), pages
 
@@ -477,10 +485,15 @@ def check_sanity(mgr):
         if raw[r, BLK_INFO] & FLAG_ROOT:
             continue
         for lc in range(L):
-            pg = slots[slot_row(r, lc, L)]["page"]
+            slot = slots[slot_row(r, lc, L)]
+            pg = slot["page"]
             if pg == NULL:
+                if slot["word"] != EMPTY_SLOT:
+                    fail(6, f"empty slot ({r}, {lc}) holds word {slot['word']}, not {EMPTY_SLOT}")
                 continue
             page = pages[pg]
+            if slot["whole"] != (page["coverage"] == T):
+                fail(6, f"slot ({r}, {lc}) says whole={slot['whole']}, but its page {pg} covers {page['coverage']} of {T}")
             if page["state"] != PAGE_COMMITTED:
                 fail(7, f"slot ({r}, {lc}) refers to page {pg}, which is not a live committed page")
             if page["block"] != r or page_lc[pg] != lc:
@@ -599,7 +612,8 @@ def _check_monotone_coverage(mgr, slots, raw, serials, digs, in_use, L):
             continue
         key = int64x4_to_digest(digs[r]) if mgr.config.block_digests else int(raw[r, BLK_SERIAL])
         for lc in range(L):
-            pg, cov = slots[slot_row(r, lc, L)]
+            slot = slots[slot_row(r, lc, L)]
+            pg, cov = slot["page"], slot["coverage"]
             if pg == NULL:
                 continue
             serial = int(serials[pg])

@@ -26,7 +26,7 @@ import numpy as np
 from . import inputs
 from .cache_pool import ranges
 from .core.layout import (
-    NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_INFO, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_PAGE, info_level, slot_row,
+    NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_INFO, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_WORD, info_level, slot_page, slot_row,
 )
 
 # The page table columns each read gathers (one gather of just those columns;
@@ -77,8 +77,8 @@ def match_pages(tables, block_rows: np.ndarray, life_cycle_id: int) -> tuple[np.
     if n == 0:
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=bool)
     b = tables.backend
-    page_rows = b.to_host(tables.slots[b.to_device(slot_row(rows, life_cycle_id, tables.num_life_cycles)), SLOT_PAGE])
-    page_rows = np.asarray(page_rows, dtype=np.int64)
+    words = b.to_host(tables.slots[b.to_device(slot_row(rows, life_cycle_id, tables.num_life_cycles)), SLOT_WORD])
+    page_rows = slot_page(np.asarray(words, dtype=np.int64))
     out = np.full(n, -1, dtype=np.int32)
     held = np.zeros(n, dtype=bool)
     have = np.nonzero(page_rows != NULL)[0]

@@ -55,6 +55,7 @@ from .core.layout import (
     COPIES,
     COPY_WIDTH,
     COUNTERS,
+    EMPTY_SLOT,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
@@ -153,7 +154,7 @@ class Tables:
         self.block_ids = xp.full((rows, BLOCK_IDS.width), NULL, dtype=BLOCK_IDS.dtype)
         self.digests = xp.full((self._digest_rows(rows), 4), NULL, dtype=np.int64)
         self.tokens = xp.zeros((rows, T), dtype=np.int32)
-        self.slots = xp.full((rows * L, SLOTS.width), NULL, dtype=SLOTS.dtype)
+        self.slots = xp.full((rows * L, SLOTS.width), EMPTY_SLOT, dtype=SLOTS.dtype)
         # Rows and page indices fit 32 bits (``ROW_DTYPE``): the bucket heads
         # and free lists hold nothing else.
         self.buckets = xp.full(index_buckets(rows), NULL, dtype=ROW_DTYPE)
@@ -310,7 +311,7 @@ class Tables:
         digests[:self.digests.shape[0]] = self.digests
         tokens = xp.zeros((new, self.tokens_per_block), dtype=np.int32)
         tokens[:old] = self.tokens
-        slots = xp.full((new * L, SLOTS.width), NULL, dtype=SLOTS.dtype)
+        slots = xp.full((new * L, SLOTS.width), EMPTY_SLOT, dtype=SLOTS.dtype)
         slots[: old * L] = self.slots
         block_free = xp.empty(new, dtype=ROW_DTYPE)
         # New rows go under the existing free entries, lowest popped first.

@@ -118,8 +118,26 @@ def info_flags(info):
 
 
 # One row per (block, life cycle): row = block * num_life_cycles + life_cycle.
-# A slot holds its page's row; the page's coverage is the slot's (``kernels/pages.coverage``).
-SLOTS = Layout("slots", np.int32, [("page", 1)])
+# A slot's one int32 word holds its page's row and, in the low bit, whether
+# that page covers all T tokens: the slot's coverage is its page's
+# (``kernels/pages.coverage``), and pruning reads a whole page's without
+# loading the page. An empty slot holds ``EMPTY_SLOT`` (page NULL, not whole).
+SLOTS = Layout("slots", np.int32, [("word", 1)])
+
+
+def slot_word(page, whole):
+    return (page << 1) | whole
+
+
+def slot_page(word):
+    return word >> 1  # arithmetic: NULL stays NULL
+
+
+def slot_whole(word):
+    return word & 1
+
+
+EMPTY_SLOT = slot_word(NULL, 0)
 
 # One row per page of every life cycle's pool (all cache levels).
 PAGES = Layout(
@@ -517,7 +535,7 @@ RETIRED_TAG = BLK_NEXT_SIBLING
 
 BID_KEY = 0
 
-SLOT_PAGE = 0
+SLOT_WORD = 0
 
 PAGE_BLOCK = 0
 PAGE_COVERAGE = 1

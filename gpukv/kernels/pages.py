@@ -33,13 +33,16 @@ from ..core.layout import (
     STAMP_LRU_TICK,
     PAGE_POOL_INDEX,
     PAGE_SERIAL,
-    SLOT_PAGE,
+    SLOT_WORD,
     as_int32,
     info_level,
     info_priority,
     info_state,
     page_info,
+    slot_page,
     slot_row,
+    slot_whole,
+    slot_word,
     with_level,
     with_state,
 )
@@ -74,20 +77,25 @@ def set_page_level(S, p, level):
 
 @helper
 def page_of(S, r, lc):
-    return S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_PAGE]
+    return slot_page(S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_WORD])
 
 
 @helper
 def coverage(S, r, lc):
     """``cov(b, lc)``: the coverage of the slot's page, 0 when empty. A
-    linked page's coverage never changes, so the slot keeps no copy of it."""
-    p = page_of(S, r, lc)
+    linked page's coverage never changes, so the slot keeps only whether it
+    is all T tokens: the common case of a match's pruning, no page load."""
+    w = S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_WORD]
+    if slot_whole(w) != 0:
+        return S.tokens.shape[1]
+    p = slot_page(w)
     return 0 if p == NULL else S.pages[p, PAGE_COVERAGE]
 
 
 @helper
 def set_slot(S, r, lc, page):
-    S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_PAGE] = page
+    whole = 1 if page != NULL and S.pages[page, PAGE_COVERAGE] == S.tokens.shape[1] else 0
+    S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_WORD] = slot_word(page, whole)
 
 
 @helper
