@@ -308,28 +308,32 @@ def add_or_get(S, parent, toks, start, n, out):
         S.counters[CNT_ERROR] = ERR_NON_FULL_PARENT
         return
     key = combine(S.block_ids[parent, BID_KEY], content_hash(toks, start, n))
-    r = find_child(S, parent, key, toks, start, n)
-    if r != NULL:
-        out[OUT_BLOCK] = r
-        return
-    # Only siblings starting with the chunk's first token can cover it or
-    # be covered by it; the sibling index lists exactly those.
     covering = NULL
     covered = NULL
-    c = S.sibling_buckets[sibling_bucket_of(S, parent, toks[start])]
-    while c != NULL:
-        if S.blocks[c, BLK_PARENT] == parent and S.tokens[c, 0] == toks[start]:
-            m = num_tokens(S, c)
-            if n < T and m >= n and tokens_equal(S, c, toks, start, n):
-                # the useless-partial rule: the first (in insertion order) covering sibling
-                if covering == NULL or created_before(S, c, covering):
-                    covering = c
-            elif m < n and tokens_equal(S, c, toks, start, m):
-                covered = c  # prefixes of one chunk are nested: at most one exists
-        c = S.blocks[c, BLK_FIRST_NEXT]
-    if covering != NULL:
-        out[OUT_BLOCK] = covering
-        return
+    # A childless parent (most often a block this call just created: a
+    # prefill's new blocks are a chain) has no child to return or to cover,
+    # so neither index is searched.
+    if S.blocks[parent, BLK_FIRST_CHILD] != NULL:
+        r = find_child(S, parent, key, toks, start, n)
+        if r != NULL:
+            out[OUT_BLOCK] = r
+            return
+        # Only siblings starting with the chunk's first token can cover it or
+        # be covered by it; the sibling index lists exactly those.
+        c = S.sibling_buckets[sibling_bucket_of(S, parent, toks[start])]
+        while c != NULL:
+            if S.blocks[c, BLK_PARENT] == parent and S.tokens[c, 0] == toks[start]:
+                m = num_tokens(S, c)
+                if n < T and m >= n and tokens_equal(S, c, toks, start, n):
+                    # the useless-partial rule: the first (in insertion order) covering sibling
+                    if covering == NULL or created_before(S, c, covering):
+                        covering = c
+                elif m < n and tokens_equal(S, c, toks, start, m):
+                    covered = c  # prefixes of one chunk are nested: at most one exists
+            c = S.blocks[c, BLK_FIRST_NEXT]
+        if covering != NULL:
+            out[OUT_BLOCK] = covering
+            return
     r = alloc_block(S)
     if r == NULL:
         return
