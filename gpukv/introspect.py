@@ -92,9 +92,10 @@ def page_life_cycles(tables) -> np.ndarray:
 def tables(mgr) -> dict:
     """The device tables as NumPy structured arrays with named fields.
 
-    ``blocks`` (decoded: ``blocks_view``) with ``block_ids`` (the same rows: the chain key), ``slots``
-    (row = block * num_life_cycles + life cycle; decoded: ``slots_view``), ``pages`` (decoded:
-    ``pages_view``) with ``page_stamps`` (the same rows: LRU tick) and ``log``;
+    ``blocks`` (decoded: ``blocks_view``) with ``block_ids`` (the same rows:
+    the chain key), ``slots`` (row = block * num_life_cycles + life cycle;
+    decoded: ``slots_view``), ``pages`` (decoded: ``pages_view``) with
+    ``page_stamps`` (the same rows: LRU tick) and ``log``;
     ``tokens`` is the plain [rows, T] token array and ``digests`` the plain
     [rows, 4] int64 SHA-256 chain keys ([0, 4] with ``block_digests`` off).
     ``block_slots`` is ``slots`` shaped [block rows, life cycles], so
@@ -421,7 +422,7 @@ def check_sanity(mgr):
             siblings.add(int(r))
             r = raw[r, BLK_FIRST_NEXT]
     for r in in_use:
-        flags = raw[r, BLK_INFO]
+        flags = info_flags(raw[r, BLK_INFO])
         attached = bool(flags & FLAG_ATTACHED)
         if bool(attached and not flags & FLAG_ROOT) != (int(r) in siblings):
             fail(4, f"row {r}: attached non-root={bool(attached and not flags & FLAG_ROOT)} but in the sibling index={int(r) in siblings}")

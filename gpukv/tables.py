@@ -335,12 +335,12 @@ class Tables:
         """Re-chain every indexed row into new buckets: attached blocks and roots
         by key, attached non-root blocks by (parent row, first token)."""
         xp = self.xp
-        flags = self.blocks[:, BLK_INFO]
-        attached = (flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)
+        info = self.blocks[:, BLK_INFO]  # the FLAG_* bits are its low ones
+        attached = (info & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)
         rows = xp.nonzero(attached)[0]
         mask = num_buckets - 1
         self.buckets = self._chain(rows, self.block_ids[rows, BID_KEY] & mask, BLK_HASH_NEXT, num_buckets)
-        rows = xp.nonzero(attached & ((flags & FLAG_ROOT) == 0))[0]
+        rows = xp.nonzero(attached & ((info & FLAG_ROOT) == 0))[0]
         h = sibling_hash_np(self.backend.to_host(self.blocks[rows, BLK_PARENT]), self.backend.to_host(self.tokens[rows, 0]))
         b = self.backend.to_device((h & np.uint64(mask)).astype(np.int64))
         self.sibling_buckets = self._chain(rows, b, BLK_FIRST_NEXT, num_buckets)

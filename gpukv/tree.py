@@ -130,8 +130,8 @@ class BlockTree:
     def _collect_scopes(self):
         """Forget the scopes nothing refers to: no root in the tables (a root
         lives while its scope has blocks) and no open cache."""
-        flags = self.backend.to_host(self.tables.blocks[:, BLK_INFO])
-        roots = np.nonzero((flags & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE))[0]
+        info = self.backend.to_host(self.tables.blocks[:, BLK_INFO])  # the FLAG_* bits are its low ones
+        roots = np.nonzero((info & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE))[0]
         live = set(self.backend.to_host(self.tables.blocks[:, BLK_SCOPE])[roots].tolist())
         live.update(self.scopes_in_use())
         for scope, sid in list(self._scope_ids.items()):

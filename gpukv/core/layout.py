@@ -527,10 +527,11 @@ BLK_ORDINAL = 8
 BLK_SCOPE = 9
 BLK_REFS = 10
 BLK_SERIAL = 11
-# A retired row's tag (RETIRED_* above) is kept in its sibling link, which
-# leaving its parent's child list set to NULL and nothing reads again: a
-# detached row is a leaf, a root has no siblings, and unlike the index
-# chains the column survives the tables' growth (a pending drain reads it).
+# A retired row's tag (RETIRED_* above) is kept in its next-sibling link:
+# leaving its parent's child list set that link to NULL, and nothing reads
+# it again (a detached row is a leaf, a root has no siblings). Unlike the
+# index chains, the tables' growth copies the column, as a pending drain
+# needs.
 RETIRED_TAG = BLK_NEXT_SIBLING
 
 BID_KEY = 0

@@ -121,7 +121,7 @@ def retire(S, r, kind):
 @helper
 def free_block_row(S, r):
     """The row is free from the next launch on (the host pushes it)."""
-    S.blocks[r, BLK_INFO] &= ~FLAG_MASK  # no flags: free (its token count stays, for its retirement)
+    S.blocks[r, BLK_INFO] &= ~FLAG_MASK  # no flags: a free row
     S.counters[CNT_LIVE_BLOCKS] -= 1
     n = S.blocks[r, BLK_HASH_NEXT]
     i = S.block_free.shape[0] - 1 - n

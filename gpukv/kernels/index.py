@@ -40,6 +40,7 @@ def num_tokens(S, r):
     """The tokens block row ``r`` holds (1..T; 0 for a root)."""
     return info_num_tokens(S.blocks[r, BLK_INFO])
 
+
 @helper
 def created_before(S, a, b):
     """Whether row ``a``'s block was created before row ``b``'s: the sign
