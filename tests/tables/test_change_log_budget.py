@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 
 import gpukv
 from gpukv import introspect, table_sizes
-from gpukv.core.layout import CNT_BLOCK_FREE_TOP, EV_CREATED, EV_REMOVED, EV_ROOT_REMOVED, LOG_KIND
+from gpukv.core.layout import CNT_BLOCK_FREE_TOP, CNT_RETIRED, EV_CREATED, EV_REMOVED, EV_ROOT_REMOVED, LOG_KIND
 
 from tests.support.backends import make_manager
 from tests.support.batch_lockstep import BatchLockstep
@@ -334,6 +334,48 @@ def test_an_interrupted_drain_of_retired_rows_is_finished_once(where):
         assert t.counters_host()[CNT_BLOCK_FREE_TOP] == t.num_rows  # every row back on the stack, once
         assert sorted(t.block_free.tolist()) == list(range(t.num_rows))
     assert fired >= (2 if where == "digests_of" else 4)  # digests_of is two lines
+
+
+def test_retired_rows_pending_a_drain_survive_the_tables_growth():
+    """A launch's retired rows wait at the end of the free stack, each row
+    holding its log position and kind. Tables that grow before the drain
+    (here: directly, after the aftermath failed to read the retired rows
+    twice, so the next call must finish it) keep both, so the drain still
+    reports the removals of an uninterrupted twin, in place, and returns
+    every row once."""
+    def manager():
+        mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64, max_kv_event_entries=1000)
+        return mgr, introspect.record_log(mgr)
+
+    twin, twin_log = manager()
+    _clear_workload(twin)
+    twin.clear_reusable_blocks()
+    want = [(e.event_id, e.data, e.layer_group_id) for e in twin.get_latest_events()]
+    want_log = [r.tolist() for r in twin_log]
+    mgr, log = manager()
+    _clear_workload(mgr)
+    t = mgr._tables
+    read_retired, failures = t.read_retired, [2]
+
+    def failing(n):
+        if failures[0]:
+            failures[0] -= 1
+            raise KeyboardInterrupt("injected before the retired rows are read")
+        return read_retired(n)
+
+    t.read_retired = failing  # the call fails, and so does its retry on the way out
+    with pytest.raises(KeyboardInterrupt):
+        mgr.clear_reusable_blocks()
+    assert mgr._launcher.pending and t.counters_host()[CNT_RETIRED] > 5
+    rows = t.num_rows
+    t.ensure_free_blocks(2 * rows)
+    assert t.num_rows > rows
+    got = [(e.event_id, e.data, e.layer_group_id) for e in mgr.get_latest_events()]  # settles first
+    assert got == want
+    assert [r.tolist() for r in log] == want_log
+    introspect.check_sanity(mgr)
+    assert t.counters_host()[CNT_BLOCK_FREE_TOP] == t.num_rows
+    assert sorted(t.block_free.tolist()) == list(range(t.num_rows))
 
 
 def test_records_are_written_only_while_someone_reads_them(backend):
