@@ -26,7 +26,8 @@ import numpy as np
 from . import inputs
 from .cache_pool import ranges
 from .core.layout import (
-    NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_INFO, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_WORD, info_level, slot_page, slot_row,
+    NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_INFO, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_WORD, info_level, slot_page,
+    slot_row,
 )
 
 # The page table columns each read gathers (one gather of just those columns;

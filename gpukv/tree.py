@@ -212,8 +212,9 @@ class BlockTree:
             row = self.row(p)
             if not row[BLK_INFO] & FLAG_ATTACHED:
                 raise ValueError("parent is detached from the tree (an orphan)")
-            if not row[BLK_INFO] & FLAG_ROOT and info_num_tokens(row[BLK_INFO]) != T:
-                raise ValueError(f"parent is a partial block ({info_num_tokens(row[BLK_INFO])} of {T} tokens); only full blocks have children")
+            n = info_num_tokens(row[BLK_INFO])
+            if not row[BLK_INFO] & FLAG_ROOT and n != T:
+                raise ValueError(f"parent is a partial block ({n} of {T} tokens); only full blocks have children")
             sid = int(row[BLK_SCOPE])
             if scope is not None and self.scope_id(scope) != sid:
                 raise ValueError("scope differs from the parent's scope")

@@ -39,10 +39,6 @@ from ..core.layout import (
     info_priority,
     info_state,
     page_info,
-    slot_page,
-    slot_row,
-    slot_whole,
-    slot_word,
     with_level,
     with_listing,
     with_state,
@@ -50,9 +46,9 @@ from ..core.layout import (
 from .dlist import dlist_insert_after, dlist_remove
 from .link import helper
 
-# core/layout.py's row arithmetic, slot words and page-info bits, compiled for kernels too.
-for _f in (slot_row, slot_word, slot_page, slot_whole, as_int32, page_info, info_state, info_level, info_listed,
-           info_held, info_priority, with_state, with_level, with_listing):
+# core/layout.py's page-info bits and 32-bit wrap, compiled for kernels too.
+for _f in (as_int32, page_info, info_state, info_level, info_listed, info_held, info_priority, with_state, with_level,
+           with_listing):
     helper(_f)
 del _f
 

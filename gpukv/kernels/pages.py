@@ -49,6 +49,11 @@ from ..core.layout import (
 from .link import helper
 from .lru import lru_unlink, page_life_cycle, pool_of
 
+# core/layout.py's slot arithmetic and slot words, compiled for kernels too.
+for _f in (slot_row, slot_word, slot_page, slot_whole):
+    helper(_f)
+del _f
+
 
 @helper
 def page_state(S, p):

@@ -303,36 +303,51 @@ def _clear_workload(mgr):
         kv.close()
 
 
+def _events_manager():
+    """A manager publishing events, with a sink of its log records."""
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64, max_kv_event_entries=1000)
+    return mgr, introspect.record_log(mgr)
+
+
+def _events_of(mgr) -> list:
+    return [(e.event_id, e.data, e.layer_group_id) for e in mgr.get_latest_events()]  # settles first
+
+
+def _cleared_twin() -> tuple[list, list]:
+    """The events and log records of ``_clear_workload`` then a clear, uninterrupted."""
+    twin, log = _events_manager()
+    _clear_workload(twin)
+    twin.clear_reusable_blocks()
+    return _events_of(twin), [r.tolist() for r in log]
+
+
+def _assert_drained_as(mgr, log, want, want_log, where=""):
+    """The drain is finished: the twin's events and records, sane tables,
+    every row back on the free stack, once."""
+    assert _events_of(mgr) == want, where
+    assert [r.tolist() for r in log] == want_log, where
+    introspect.check_sanity(mgr)
+    t = mgr._tables
+    assert t.counters_host()[CNT_BLOCK_FREE_TOP] == t.num_rows, where
+    assert sorted(t.block_free.tolist()) == list(range(t.num_rows)), where
+
+
 @pytest.mark.parametrize("where", ["settle", "return_rows", "with_removals", "read_retired", "digests_of"])
 def test_an_interrupted_drain_of_retired_rows_is_finished_once(where):
     """A KeyboardInterrupt at every line of the aftermath's steps that report
     and free the retired rows: the next call finishes it, and the records,
     the events and the free stack are those of an uninterrupted twin."""
-    def manager():
-        mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64, max_kv_event_entries=1000)
-        return mgr, introspect.record_log(mgr)
-
-    twin, twin_log = manager()
-    _clear_workload(twin)
-    twin.clear_reusable_blocks()
-    want = [(e.event_id, e.data, e.layer_group_id) for e in twin.get_latest_events()]
-    want_log = [r.tolist() for r in twin_log]
+    want, want_log = _cleared_twin()
     assert sum(r[LOG_KIND] == EV_REMOVED for r in want_log) > 5
     fired = 0
     for k in range(1, 60):
-        mgr, log = manager()
+        mgr, log = _events_manager()
         _clear_workload(mgr)
         interrupt = Interrupter(only=where)
         interrupt.arm(k)
         interrupt(mgr.clear_reusable_blocks)
         fired += interrupt.fired
-        got = [(e.event_id, e.data, e.layer_group_id) for e in mgr.get_latest_events()]  # settles first
-        assert got == want, f"line {k} of {where}"
-        assert [r.tolist() for r in log] == want_log, f"line {k} of {where}"
-        introspect.check_sanity(mgr)
-        t = mgr._tables
-        assert t.counters_host()[CNT_BLOCK_FREE_TOP] == t.num_rows  # every row back on the stack, once
-        assert sorted(t.block_free.tolist()) == list(range(t.num_rows))
+        _assert_drained_as(mgr, log, want, want_log, f"line {k} of {where}")
     assert fired >= (2 if where == "digests_of" else 4)  # digests_of is two lines
 
 
@@ -343,16 +358,8 @@ def test_retired_rows_pending_a_drain_survive_the_tables_growth():
     twice, so the next call must finish it) keep both, so the drain still
     reports the removals of an uninterrupted twin, in place, and returns
     every row once."""
-    def manager():
-        mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=64, max_kv_event_entries=1000)
-        return mgr, introspect.record_log(mgr)
-
-    twin, twin_log = manager()
-    _clear_workload(twin)
-    twin.clear_reusable_blocks()
-    want = [(e.event_id, e.data, e.layer_group_id) for e in twin.get_latest_events()]
-    want_log = [r.tolist() for r in twin_log]
-    mgr, log = manager()
+    want, want_log = _cleared_twin()
+    mgr, log = _events_manager()
     _clear_workload(mgr)
     t = mgr._tables
     read_retired, failures = t.read_retired, [2]
@@ -370,12 +377,7 @@ def test_retired_rows_pending_a_drain_survive_the_tables_growth():
     rows = t.num_rows
     t.ensure_free_blocks(2 * rows)
     assert t.num_rows > rows
-    got = [(e.event_id, e.data, e.layer_group_id) for e in mgr.get_latest_events()]  # settles first
-    assert got == want
-    assert [r.tolist() for r in log] == want_log
-    introspect.check_sanity(mgr)
-    assert t.counters_host()[CNT_BLOCK_FREE_TOP] == t.num_rows
-    assert sorted(t.block_free.tolist()) == list(range(t.num_rows))
+    _assert_drained_as(mgr, log, want, want_log)
 
 
 def test_records_are_written_only_while_someone_reads_them(backend):
