@@ -30,11 +30,9 @@ from .core.layout import (
     BLK_FIRST_NEXT,
     BLK_HASH_NEXT,
     BLK_INFO,
-    BLK_LAST_CHILD,
     BLK_NEXT_SIBLING,
-    BLK_ORDINAL,
     BLK_PARENT,
-    BLK_SCOPE,
+    BLK_PREV_SIBLING,
     BLK_SERIAL,
     BLOCK_IDS,
     BLOCKS,
@@ -66,6 +64,7 @@ from .core.layout import (
     STAMP_LRU_TICK,
     PAGE_STAMPS,
     PAGES,
+    ROOT_SCOPE,
     SLOT_WORD,
     SLOTS,
     info_flags,
@@ -128,13 +127,38 @@ def tables(mgr) -> dict:
 def blocks_view(raw) -> np.ndarray:
     """A host copy of the block table as a structured array: its stored
     fields and, decoded from ``info``, each row's ``num_tokens`` and
-    ``flags`` (``layout.FLAG_*``)."""
+    ``flags`` (``layout.FLAG_*``); for a block in the tree, its ``ordinal``
+    (-1 for a root) and its root's ``scope`` id, both NULL for other rows."""
     info = raw[:, BLK_INFO]
-    decoded = np.column_stack([raw, info_num_tokens(info), info_flags(info)])
+    flags = info_flags(info)
+    root, depth = _roots_and_depths(raw[:, BLK_PARENT], flags)
+    in_tree = root != NULL
+    ordinal = np.where(in_tree, depth - 1, NULL)
+    scope = np.where(in_tree, raw[np.maximum(root, 0), ROOT_SCOPE], NULL)
+    decoded = np.column_stack([raw, info_num_tokens(info), flags, ordinal, scope])
     return _BLOCKS_DECODED.view(decoded.astype(BLOCKS.dtype, copy=False))
 
 
-_BLOCKS_DECODED = Layout("blocks_decoded", BLOCKS.dtype, BLOCKS.fields + [("num_tokens", 1), ("flags", 1)])
+_BLOCKS_DECODED = Layout("blocks_decoded", BLOCKS.dtype,
+                         BLOCKS.fields + [("num_tokens", 1), ("flags", 1), ("ordinal", 1), ("scope", 1)])
+
+
+def _roots_and_depths(parent, flags):
+    """Each attached row's root and its steps up to it (0 for a root), by
+    pointer jumping: log2(depth) passes over the column. NULL and 0 for
+    rows outside the tree."""
+    rows = np.arange(parent.shape[0])
+    attached = (flags & (FLAG_IN_USE | FLAG_ATTACHED)) == (FLAG_IN_USE | FLAG_ATTACHED)
+    climbs = attached & ((flags & FLAG_ROOT) == 0)
+    up = np.where(climbs, parent, rows)
+    steps = climbs.astype(np.int64)
+    while True:
+        higher = up[up]
+        if np.array_equal(higher, up):
+            break
+        steps = steps + steps[up]
+        up = higher
+    return np.where(attached, up, NULL), np.where(attached, steps, 0)
 
 
 def slots_view(raw, raw_pages) -> np.ndarray:
@@ -303,7 +327,7 @@ def make_childless_root(mgr, scope=None) -> int:
     tree._op(OP_INSERT, (sid, tree.scope_key(sid), 0, 0, *tree._scope_digests[sid]), np.zeros(1, dtype=np.int32))
     raw = mgr._backend.to_host(mgr._tables.blocks)
     live_root = (raw[:, BLK_INFO] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE)
-    (root,) = np.nonzero(live_root & (raw[:, BLK_SCOPE] == sid))[0]
+    (root,) = np.nonzero(live_root & (raw[:, ROOT_SCOPE] == sid))[0]
     return int(root)
 
 
@@ -429,7 +453,7 @@ def check_sanity(mgr):
         if attached != (int(r) in indexed):
             fail(5 if not attached else 2, f"row {r}: attached={attached} but indexed={int(r) in indexed}")
         if flags & FLAG_ROOT:
-            scope = _scope_of(tree, raw[r, BLK_SCOPE])
+            scope = _scope_of(tree, raw[r, ROOT_SCOPE])
             if digests and int64x4_to_digest(digs[r]) != hashlib.sha256(scope.to_bytes()).digest():
                 fail(1, f"root row {r} is not keyed by SHA256 of its scope bytes")
             if raw[r, BLK_FIRST_CHILD] == NULL:
@@ -443,8 +467,6 @@ def check_sanity(mgr):
         n = info_num_tokens(raw[r, BLK_INFO])
         if not (raw[p, BLK_INFO] & FLAG_IN_USE and raw[p, BLK_INFO] & FLAG_ATTACHED):
             fail(2, f"row {r}'s parent {p} is not an attached block")
-        if raw[r, BLK_ORDINAL] != raw[p, BLK_ORDINAL] + 1:
-            fail(2, f"row {r} has ordinal {raw[r, BLK_ORDINAL]}, parent has {raw[p, BLK_ORDINAL]}")
         if not 1 <= n <= T:
             fail(2, f"row {r} holds {n} tokens")
         if digests:
@@ -467,9 +489,11 @@ def check_sanity(mgr):
                 fail(2, f"row {c} is listed under {p} but names parent {raw[c, BLK_PARENT]}")
             kids.append(int(c))
             c = raw[c, BLK_NEXT_SIBLING]
-        if (kids[-1] if kids else NULL) != raw[p, BLK_LAST_CHILD]:
-            fail(2, f"row {p}'s children list ends at {kids[-1] if kids else NULL}, its last child is "
-                    f"{raw[p, BLK_LAST_CHILD]}")
+        # Linked back: each child's prev_sibling names the one before it, the
+        # first child's the last.
+        if kids and [int(raw[k, BLK_PREV_SIBLING]) for k in kids] != kids[-1:] + kids[:-1]:
+            fail(2, f"row {p}'s children {kids} are linked back as "
+                    f"{[int(raw[k, BLK_PREV_SIBLING]) for k in kids]}")
         seqs = [tuple(toks[k, : info_num_tokens(raw[k, BLK_INFO])]) for k in kids]
         if len(set(seqs)) != len(seqs):
             fail(4, f"row {p} has two children with the same tokens")
@@ -652,7 +676,7 @@ def dump(mgr) -> str:
     lines = []
     roots = np.nonzero((raw[:, BLK_INFO] & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE))[0]
     for root in roots:
-        scope = _scope_of(mgr._tree, raw[root, BLK_SCOPE])
+        scope = _scope_of(mgr._tree, raw[root, ROOT_SCOPE])
         lines.append(f"root row {root} {scope}")
         stack = [(raw[root, BLK_FIRST_CHILD], 1)]
         while stack:
@@ -669,7 +693,7 @@ def dump(mgr) -> str:
                 for lc in range(L)
             )
             key = int64x4_to_digest(digs[r]).hex()[:8] if digests else f"#{raw[r, BLK_SERIAL]}"
-            lines.append(f"{'  ' * depth}B{raw[r, BLK_ORDINAL]}/{n} row {r} {key} {shown}{tail} [{pages}]")
+            lines.append(f"{'  ' * depth}B{depth - 1}/{n} row {r} {key} {shown}{tail} [{pages}]")
             stack.append((raw[r, BLK_FIRST_CHILD], depth + 1))
     return "\n".join(lines) if lines else "(empty tree)"
 

@@ -31,7 +31,7 @@ from .kernels.tree import (
 )
 from .core.layout import (
     BLK_INFO,
-    BLK_SCOPE,
+    BLK_PARENT,
     BLK_SERIAL,
     FLAG_ATTACHED,
     FLAG_IN_USE,
@@ -40,6 +40,7 @@ from .core.layout import (
     PAGE_BLOCK,
     PAGE_INFO,
     PAGE_COMMITTED,
+    ROOT_SCOPE,
     info_num_tokens,
     info_state,
 )
@@ -132,7 +133,7 @@ class BlockTree:
         lives while its scope has blocks) and no open cache."""
         info = self.backend.to_host(self.tables.blocks[:, BLK_INFO])  # the FLAG_* bits are its low ones
         roots = np.nonzero((info & (FLAG_ROOT | FLAG_IN_USE)) == (FLAG_ROOT | FLAG_IN_USE))[0]
-        live = set(self.backend.to_host(self.tables.blocks[:, BLK_SCOPE])[roots].tolist())
+        live = set(self.backend.to_host(self.tables.blocks[:, ROOT_SCOPE])[roots].tolist())
         live.update(self.scopes_in_use())
         for scope, sid in list(self._scope_ids.items()):
             if sid not in live:
@@ -178,6 +179,14 @@ class BlockTree:
     def row(self, r: int) -> np.ndarray:
         return self.backend.to_host(self.tables.blocks[r])
 
+    def _scope_id_of(self, r: int) -> int:
+        """The scope of attached block ``r``: its root's (only a root's row
+        names one). One read of the parent column, then the walk up."""
+        parent = self.backend.to_host(self.tables.blocks[:, BLK_PARENT])
+        while parent[r] != NULL:
+            r = parent[r]
+        return int(self.backend.to_host(self.tables.blocks[r, ROOT_SCOPE]))
+
     def key_of(self, r: int) -> bytes:
         if not self.tables.config.block_digests:  # the serial tells a block from a later one in its row
             return int(self.backend.to_host(self.tables.blocks[r, BLK_SERIAL])).to_bytes(8, "little", signed=True)
@@ -215,7 +224,7 @@ class BlockTree:
             n = info_num_tokens(row[BLK_INFO])
             if not row[BLK_INFO] & FLAG_ROOT and n != T:
                 raise ValueError(f"parent is a partial block ({n} of {T} tokens); only full blocks have children")
-            sid = int(row[BLK_SCOPE])
+            sid = self._scope_id_of(p)
             if scope is not None and self.scope_id(scope) != sid:
                 raise ValueError("scope differs from the parent's scope")
         arr = self._interned(tokens, arr)

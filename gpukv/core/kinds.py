@@ -39,14 +39,15 @@ def has_window(kind):
     return kind == KIND_SWA
 
 
-def death_removes_subtree(kind, ordinal, num_sink_blocks):
-    """When a page of the block at ``ordinal`` dies, can nothing below it be
-    reused any more? Full attention reads every block, a windowed kind its
-    sinks; a checkpoint kind loses one checkpoint only."""
+def death_removes_subtree(kind, is_sink_block):
+    """When a page of a block dies (``is_sink_block``: one of the first
+    ``sinks`` blocks of its chain), can nothing below it be reused any
+    more? Full attention reads every block, a windowed kind its sinks; a
+    checkpoint kind loses one checkpoint only."""
     if kind == KIND_FULL:
         return True
     if has_window(kind):
-        return ordinal < num_sink_blocks
+        return is_sink_block
     return False
 
 

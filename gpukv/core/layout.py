@@ -56,7 +56,7 @@ class Layout:
         return t.view(self.record).reshape(t.shape[0])
 
 
-# One row per tree block; roots are blocks too (ordinal -1, no tokens).
+# One row per tree block; roots are blocks too (no tokens, no parent).
 BLOCKS = Layout(
     "blocks",
     np.int32,
@@ -68,12 +68,16 @@ BLOCKS = Layout(
         ("info", 1),
         ("hash_next", 1),  # next row in this key's child-index bucket
         ("first_next", 1),  # next row in this (parent, first token) bucket
-        ("first_child", 1),  # children in insertion order, as a doubly linked list
-        ("last_child", 1),
+        # Children in insertion order: a list linked both ways whose first
+        # member's ``prev_sibling`` names the last (``kernels/blocks.py``),
+        # so a parent keeps one end and still appends in O(1). A root has
+        # no siblings: its ``prev_sibling`` holds its reuse scope's interned
+        # id instead (``ROOT_SCOPE``); every other block is in its root's
+        # scope. A block's ordinal is its depth below its root, which the
+        # kernels that need it know from the sequence they walk.
+        ("first_child", 1),
         ("next_sibling", 1),
         ("prev_sibling", 1),
-        ("ordinal", 1),  # parent ordinal + 1; roots are -1
-        ("scope", 1),  # interned reuse-scope id
         ("refs", 1),  # sequences referring to this row (keeps an orphan's row alive)
         # Creation order (siblings' insertion order), and what tells a block
         # from a later one in its row. 32 bits that wrap: blocks compare by
@@ -520,13 +524,11 @@ BLK_INFO = 1
 BLK_HASH_NEXT = 2
 BLK_FIRST_NEXT = 3
 BLK_FIRST_CHILD = 4
-BLK_LAST_CHILD = 5
-BLK_NEXT_SIBLING = 6
-BLK_PREV_SIBLING = 7
-BLK_ORDINAL = 8
-BLK_SCOPE = 9
-BLK_REFS = 10
-BLK_SERIAL = 11
+BLK_NEXT_SIBLING = 5
+BLK_PREV_SIBLING = 6
+BLK_REFS = 7
+BLK_SERIAL = 8
+ROOT_SCOPE = BLK_PREV_SIBLING  # a root's scope id (a root has no siblings)
 # A retired row's tag (RETIRED_* above) is kept in its next-sibling link:
 # leaving its parent's child list set that link to NULL, and nothing reads
 # it again (a detached row is a leaf, a root has no siblings). Unlike the

@@ -21,13 +21,10 @@ from ..core.layout import (
     BLK_FIRST_NEXT,
     BLK_HASH_NEXT,
     BLK_INFO,
-    BLK_LAST_CHILD,
     BLK_NEXT_SIBLING,
-    BLK_ORDINAL,
     BLK_PARENT,
     BLK_PREV_SIBLING,
     BLK_REFS,
-    BLK_SCOPE,
     BLK_SERIAL,
     BLK_WIDTH,
     CNT_BLOCK_FREE_TOP,
@@ -57,10 +54,10 @@ from ..core.layout import (
     RETIRED_REMOVED_FREED,
     RETIRED_ROOT_REMOVED,
     RETIRED_TAG,
+    ROOT_SCOPE,
     as_int32,
     block_info,
 )
-from .dlist import dlist_insert_after, dlist_remove
 from .link import helper
 from .index import (
     created_before,
@@ -134,13 +131,36 @@ def free_block_row(S, r):
 
 @helper
 def append_child(S, parent, r):
-    dlist_insert_after(S.blocks, BLK_PREV_SIBLING, BLK_NEXT_SIBLING, S.blocks, parent, BLK_FIRST_CHILD, BLK_LAST_CHILD, r,
-                       S.blocks[parent, BLK_LAST_CHILD])
+    """``r`` becomes ``parent``'s last child. The first child's
+    ``prev_sibling`` names the last, so appending needs no tail field."""
+    first = S.blocks[parent, BLK_FIRST_CHILD]
+    S.blocks[r, BLK_NEXT_SIBLING] = NULL
+    if first == NULL:
+        S.blocks[parent, BLK_FIRST_CHILD] = r
+        S.blocks[r, BLK_PREV_SIBLING] = r
+        return
+    last = S.blocks[first, BLK_PREV_SIBLING]
+    S.blocks[last, BLK_NEXT_SIBLING] = r
+    S.blocks[r, BLK_PREV_SIBLING] = last
+    S.blocks[first, BLK_PREV_SIBLING] = r
 
 
 @helper
 def remove_child(S, parent, r):
-    dlist_remove(S.blocks, BLK_PREV_SIBLING, BLK_NEXT_SIBLING, S.blocks, parent, BLK_FIRST_CHILD, BLK_LAST_CHILD, r)
+    """Take ``r`` out of ``parent``'s children; its links become NULL."""
+    first = S.blocks[parent, BLK_FIRST_CHILD]
+    prv = S.blocks[r, BLK_PREV_SIBLING]  # the last child when r is the first
+    nxt = S.blocks[r, BLK_NEXT_SIBLING]
+    if r == first:
+        S.blocks[parent, BLK_FIRST_CHILD] = nxt
+    else:
+        S.blocks[prv, BLK_NEXT_SIBLING] = nxt
+    if nxt != NULL:
+        S.blocks[nxt, BLK_PREV_SIBLING] = prv
+    elif r != first:
+        S.blocks[first, BLK_PREV_SIBLING] = prv  # r was the last
+    S.blocks[r, BLK_PREV_SIBLING] = NULL
+    S.blocks[r, BLK_NEXT_SIBLING] = NULL
 
 
 @helper(inline=False)
@@ -205,10 +225,25 @@ def remove_subtree(S, b):
         cur = parent
 
 
+@helper
+def among_first_blocks(S, r, n):
+    """Whether block ``r`` is one of the first ``n`` blocks of its chain (its
+    ordinal is below ``n``): at most ``n`` steps up to its root. An orphan
+    is in no chain."""
+    cur = r
+    for _ in range(n):
+        cur = S.blocks[cur, BLK_PARENT]
+        if cur == NULL:
+            return False
+        if is_root(S, cur):
+            return True
+    return False
+
+
 @helper(inline=False)
 def clear_stale_blocks_after_page_unlink(S, start, lc):
     """Tree cleanup after a page of ``start`` died (§2.7)."""
-    if death_removes_subtree(S.lc_kind[lc], S.blocks[start, BLK_ORDINAL], S.lc_sinks[lc]):
+    if death_removes_subtree(S.lc_kind[lc], among_first_blocks(S, start, S.lc_sinks[lc])):
         # Nothing below can be reused any more (full attention, a sink block).
         remove_subtree(S, start)
     elif is_attached(S, start):
@@ -269,7 +304,7 @@ def get_or_create_root(S, scope_id, scope_key, scope_digest):
     if r == NULL:
         return NULL
     S.block_ids[r, BID_KEY] = scope_key
-    S.blocks[r, BLK_SCOPE] = scope_id
+    S.blocks[r, ROOT_SCOPE] = scope_id
     S.blocks[r, BLK_INFO] = block_info(0, FLAG_IN_USE | FLAG_ATTACHED | FLAG_ROOT)
     if S.policy[POLICY_BLOCK_DIGESTS] != 0:
         for w in range(4):
@@ -339,8 +374,6 @@ def add_or_get(S, parent, toks, start, n, out):
         return
     S.block_ids[r, BID_KEY] = key
     S.blocks[r, BLK_PARENT] = parent
-    S.blocks[r, BLK_ORDINAL] = S.blocks[parent, BLK_ORDINAL] + 1
-    S.blocks[r, BLK_SCOPE] = S.blocks[parent, BLK_SCOPE]
     S.blocks[r, BLK_INFO] = block_info(n, FLAG_IN_USE | FLAG_ATTACHED)
     for i in range(n):
         S.tokens[r, i] = toks[start + i]

@@ -3,9 +3,9 @@
 A list's members are rows of a ``nodes`` table that hold their neighbours in
 two of its columns (``prev``, ``next_``; NULL at either end); the list itself
 is a row (``owner``) of an ``owners`` table that holds its two ends in two
-more (``head``, ``tail``). The tree's children (block rows under their
-parent's row of the same table) and the eviction lists (page rows under a
-row of ``lru_lists``) are such lists. What a list means, and counting its
+more (``head``, ``tail``). The eviction lists (page rows under a row of
+``lru_lists``) are such lists; a block's children keep one end only
+(``blocks.append_child``). What a list means, and counting its
 members, is the caller's business: these two only keep the links.
 """
 

@@ -18,11 +18,11 @@ from ..core.layout import (
     BLK_HASH_NEXT,
     BLK_INFO,
     BLK_PARENT,
-    BLK_SCOPE,
     BLK_SERIAL,
     FLAG_ATTACHED,
     FLAG_ROOT,
     NULL,
+    ROOT_SCOPE,
     block_info,
     info_num_tokens,
 )
@@ -110,7 +110,7 @@ def find_child(S, parent, key, toks, start, n):
 def find_root(S, scope_id, scope_key):
     r = S.buckets[bucket_of(S, scope_key)]
     while r != NULL:
-        if (S.blocks[r, BLK_INFO] & FLAG_ROOT) != 0 and S.blocks[r, BLK_SCOPE] == scope_id:
+        if (S.blocks[r, BLK_INFO] & FLAG_ROOT) != 0 and S.blocks[r, ROOT_SCOPE] == scope_id:
             return r
         r = S.blocks[r, BLK_HASH_NEXT]
     return NULL

@@ -15,7 +15,6 @@ from ..core.kinds import has_window, is_checkpoint
 from ..core.layout import (
     ALLOWED,
     BID_KEY,
-    BLK_ORDINAL,
     CNT_BLOCK_FREE_TOP,
     EV_STORED_BLOCK,
     EV_STORED_LIFE_CYCLE,
@@ -100,8 +99,9 @@ def tree_parent(S, Q, o, out):
 
 
 @helper(inline=False)
-def copy_page_to_tree(S, Q, tb, lc, src, cov):
-    """§2.5.2: a copy of ``src`` with coverage ``cov`` into ``tb``'s slot when
+def copy_page_to_tree(S, Q, tb, o, lc, src, cov):
+    """§2.5.2: a copy of ``src`` with coverage ``cov`` into the slot of
+    ``tb`` (the sequence's block ``o``, whose priority the page gets) when
     strictly wider, on the GPU or else on the host tier; when no level has
     room, even by eviction, the snapshot is skipped and the older, narrower
     one stays (the replacement follows the copy). True when copied."""
@@ -112,20 +112,19 @@ def copy_page_to_tree(S, Q, tb, lc, src, cov):
         level = 1
         if not make_room(S, lc, 1, 1):
             return False
-    p = alloc_page(S, lc, level, Q.priority[S.blocks[tb, BLK_ORDINAL], lc])
+    p = alloc_page(S, lc, level, Q.priority[o, lc])
     copy_page_data(S, src, p)
     return install_page(S, tb, lc, p, cov)
 
 
 @helper(inline=False)
-def snapshot_ssm(S, Q, tb, n_total, move):
-    """§2.5.3: checkpoint the live SSM state at ``n_total`` tokens on ``tb``."""
-    T = S.tokens.shape[1]
+def snapshot_ssm(S, Q, tb, o, c, move):
+    """§2.5.3: checkpoint the live SSM state on ``tb``, the sequence's block
+    ``o``, covering its first ``c`` tokens."""
     L = S.lc_kind.shape[0]
     for lc in range(L):
         if not is_checkpoint(S.lc_kind[lc]):
             continue
-        c = n_total - S.blocks[tb, BLK_ORDINAL] * T
         if coverage(S, tb, lc) >= c:
             return  # an equal or later checkpoint is there already
         live = Q.scalars[Q_SSM_PAGE]
@@ -140,7 +139,7 @@ def snapshot_ssm(S, Q, tb, n_total, move):
             replace_page(S, tb, lc, live)
             schedule(S, live)
         else:
-            copy_page_to_tree(S, Q, tb, lc, live, c)
+            copy_page_to_tree(S, Q, tb, o, lc, live, c)
 
 
 def _no_prefetch_blocks(S, Q, f0, f1):
@@ -229,7 +228,7 @@ def commit_block(S, Q, o, last, ssm, move_ssm, out):
         set_tree(S, Q, o, tb)
         Q.scalars[Q_COMMITTED_BLOCKS] += 1
         if ssm:
-            snapshot_ssm(S, Q, tb, o * T + n, move_ssm)
+            snapshot_ssm(S, Q, tb, o, n, move_ssm)
         h = Q.scalars[Q_HISTORY]
         for lc in range(L):
             if not is_checkpoint(S.lc_kind[lc]) and is_stale(S, lc, h, o):
@@ -257,10 +256,10 @@ def snapshot_partial(S, Q, o, ssm, out):
         p = Q.pages[o, lc]
         Q.counts[lc] = 0
         if not is_checkpoint(S.lc_kind[lc]) and p != NULL and coverage(S, tb, lc) < n:
-            if copy_page_to_tree(S, Q, tb, lc, p, n):
+            if copy_page_to_tree(S, Q, tb, o, lc, p, n):
                 Q.counts[lc] = 1  # attached
     if ssm:
-        snapshot_ssm(S, Q, tb, o * T + n, False)
+        snapshot_ssm(S, Q, tb, o, n, False)
     if not is_attached(S, tb):
         pass  # making room for a copy evicted the block's own subtree: nothing to announce
     elif is_new:

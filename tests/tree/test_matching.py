@@ -184,7 +184,7 @@ def test_partial_search_with_more_than_32_children(backend):
     while c != -1:
         kids.append(c)
         c = int(blocks[c]["next_sibling"])
-    assert len(kids) == 40 and blocks[root]["last_child"] == kids[-1]
+    assert len(kids) == 40 and blocks[kids[0]]["prev_sibling"] == kids[-1]  # the first child names the last
 
     m = check_batch(mgr, [[39, 1, 9, 9], [35, 1, 2], [39, 1, 2, 3], [40, 1]], expected=[2, 3, 4, 0])
     assert m.blocks(0).tolist() == [kids[39]] and m.blocks(1).tolist() == [kids[35]]
