@@ -50,9 +50,9 @@ from .core.layout import (
     LRU_LISTS,
     LRU_TAIL,
     NULL,
+    FREE_ROW_NEXT,
     PAGE_BLOCK,
     PAGE_COMMITTED,
-    PAGE_COVERAGE,
     PAGE_FREE,
     PAGE_HOLDERS,
     PAGE_INFO,
@@ -67,6 +67,7 @@ from .core.layout import (
     ROOT_SCOPE,
     SLOT_WORD,
     SLOTS,
+    info_coverage,
     info_flags,
     info_held,
     info_level,
@@ -169,7 +170,7 @@ def slots_view(raw, raw_pages) -> np.ndarray:
     ``coverage``, 0 when empty."""
     word = raw[:, SLOT_WORD]
     page = slot_page(word)
-    cov = np.where(page == NULL, 0, raw_pages[page, PAGE_COVERAGE]) if raw_pages.shape[0] else np.zeros_like(page)
+    cov = np.where(page == NULL, 0, info_coverage(raw_pages[page, PAGE_INFO])) if raw_pages.shape[0] else np.zeros_like(page)
     decoded = np.column_stack([raw, page, slot_whole(word), cov])
     return _SLOTS_DECODED.view(decoded.astype(SLOTS.dtype, copy=False))
 
@@ -180,17 +181,17 @@ _SLOTS_DECODED = Layout("slots_decoded", SLOTS.dtype, SLOTS.fields + [("page", 1
 def pages_view(tables, raw) -> np.ndarray:
     """A host copy of the page table (``raw``: its rows, of ``tables``) as a
     structured array: its stored fields and, decoded from ``info`` and the
-    row, each page's ``state``, ``level``, ``priority``, ``life_cycle``
-    (``page_life_cycles``) and ``lru_list`` (the ``lru_lists`` row it is
-    linked in, NULL for none)."""
+    row, each page's ``state``, ``level``, ``priority``, ``coverage``,
+    ``life_cycle`` (``page_life_cycles``) and ``lru_list`` (the ``lru_lists``
+    row it is linked in, NULL for none)."""
     info, lc = raw[:, PAGE_INFO], page_life_cycles(tables)
-    decoded = np.column_stack([raw, info_state(info), info_level(info), info_priority(info), lc,
+    decoded = np.column_stack([raw, info_state(info), info_level(info), info_priority(info), info_coverage(info), lc,
                                page_lists(raw, lc)])
     return _PAGES_DECODED.view(decoded.astype(PAGES.dtype, copy=False))
 
 
 _PAGES_DECODED = Layout("pages_decoded", PAGES.dtype, PAGES.fields + [
-    ("state", 1), ("level", 1), ("priority", 1), ("life_cycle", 1), ("lru_list", 1)])
+    ("state", 1), ("level", 1), ("priority", 1), ("coverage", 1), ("life_cycle", 1), ("lru_list", 1)])
 
 
 def page_lists(raw, lc) -> np.ndarray:
@@ -274,7 +275,7 @@ def page_of(mgr, block: BlockRef, life_cycle_id: int):
     L = len(mgr.config.life_cycles)
     h = mgr._backend.to_host
     p = int(slot_page(h(mgr._tables.slots[slot_row(r, life_cycle_id, L), SLOT_WORD])))
-    return None if p == NULL else (p, int(h(mgr._tables.pages[p, PAGE_COVERAGE])))
+    return None if p == NULL else (p, int(info_coverage(h(mgr._tables.pages[p, PAGE_INFO]))))
 
 
 # -- the tree, driven one operation at a time ------------------------------------------------
@@ -531,8 +532,8 @@ def check_sanity(mgr):
         lc = page_lc[pg]
         if info_state(raw_pages[pg, PAGE_INFO]) != PAGE_COMMITTED or slots[slot_row(r, lc, L)]["page"] != pg:
             fail(7, f"page {pg} points at ({r}, {lc}) but that slot does not hold it")
-        if raw_pages[pg, PAGE_COVERAGE] < 1:
-            fail(6, f"page {pg} has coverage {raw_pages[pg, PAGE_COVERAGE]}")
+        if info_coverage(raw_pages[pg, PAGE_INFO]) < 1:
+            fail(6, f"page {pg} has coverage {info_coverage(raw_pages[pg, PAGE_INFO])}")
     _check_monotone_coverage(mgr, slots, raw, raw_pages[:, PAGE_SERIAL], digs, in_use, L)
     _check_pools(mgr, raw_pages, fail)
     _check_eviction_lists(mgr, raw_pages, page_lc, listed_in, fail)
@@ -562,7 +563,8 @@ def _check_eviction_lists(mgr, pages, page_lc, listed_in, fail):
         p = int(wrong[0])
         fail(9, f"page {p} is in eviction list {listed_in[p]} but belongs in {want[p]} "
                 f"({'a candidate' if evictable[p] else 'no candidate'})")
-    unlisted = (want == NULL) & ((pages[:, PAGE_LRU_PREV] != NULL) | (pages[:, PAGE_LRU_NEXT] != NULL))
+    free = info_state(pages[:, PAGE_INFO]) == PAGE_FREE  # its lru_next links the free rows
+    unlisted = (want == NULL) & ((pages[:, PAGE_LRU_PREV] != NULL) | ((pages[:, PAGE_LRU_NEXT] != NULL) & ~free))
     if unlisted.any():
         fail(9, f"page {int(np.nonzero(unlisted)[0][0])} is in no eviction list but has list neighbours")
     seen = np.zeros(n, dtype=bool)
@@ -600,7 +602,7 @@ def _check_pools(mgr, pages, fail):
     t = mgr._tables
     h = mgr._backend.to_host
     pool_top, pool_start, pool_size = h(t.pool_top), h(t.pool_start), h(t.pool_size)
-    page_free, row_free, row_start, row_top = h(t.page_free), h(t.row_free), h(t.row_start), h(t.row_top)
+    page_free, row_head, row_start, row_top = h(t.page_free), h(t.row_head), h(t.row_start), h(t.row_top)
     live = info_state(pages[:, PAGE_INFO]) != PAGE_FREE
     level = info_level(pages[:, PAGE_INFO])
     if (pages[live, PAGE_LOCKS] < 0).any() or (pages[live, PAGE_LOCKS] > pages[live, PAGE_HOLDERS]).any():
@@ -610,8 +612,11 @@ def _check_pools(mgr, pages, fail):
     for lc in range(len(mgr.config.life_cycles)):
         n_rows = int(pool_size[2 * lc] + pool_size[2 * lc + 1])
         rows = np.arange(row_start[lc], row_start[lc] + n_rows)
-        free_rows = row_free[row_start[lc]:row_start[lc] + row_top[lc]]
-        if sorted(free_rows.tolist()) != sorted(rows[~live[rows]].tolist()):
+        free_rows, r = [], row_head[lc]
+        while r != NULL and len(free_rows) <= n_rows:  # a cycle stops at one row too many
+            free_rows.append(int(r))
+            r = pages[r, FREE_ROW_NEXT]
+        if len(free_rows) != row_top[lc] or sorted(free_rows) != sorted(rows[~live[rows]].tolist()):
             fail(9, f"life cycle {lc}: the free page rows do not match the free pages")
         for lv in range(2):
             pool = 2 * lc + lv

@@ -75,7 +75,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
       ``table_sizes.index_buckets``);
     - per page ``P`` (GPU and host pages of every life cycle): ``pages``
       (its layout width, int32), ``page_stamps`` (the 64-bit LRU tick),
-      ``page_free`` and ``row_free`` (int32) and
+      ``page_free`` (int32) and
       the copy list (``3P + 16`` records, int32, or ``table_sizes.COPY_LIST_BUDGET``
       bytes when that is less);
     - the change log (``log``, ``log_tokens``), at the sizes
@@ -122,7 +122,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
         "page_free": P * ROW,
         "row_start": L * INT64,
         "row_top": L * INT64,
-        "row_free": P * ROW,
+        "row_head": L * INT64,
         "copies": record(COPIES, copy_budget(P)),
         "lru_lists": record(LRU_LISTS, groups * NUM_PRIORITIES),
         "lru_groups": record(LRU_GROUPS, groups),

@@ -66,6 +66,7 @@ from .core.layout import (
     LRU_LISTS,
     NULL,
     PAGE_COMMITTED,
+    FREE_ROW_NEXT,
     PAGE_INFO,
     PAGE_FREE,
     PAGE_STAMPS,
@@ -103,7 +104,7 @@ DeviceTables = namedtuple(
         "page_free",  # int32 [pages]: per-pool stacks of free storage indices
         "row_start",  # int64 [L]: each life cycle's first page row
         "row_top",  # int64 [L]: free page rows of each life cycle
-        "row_free",  # int32 [pages]: per-life-cycle stacks of free page rows
+        "row_head",  # int64 [L]: the first of them, NULL for none (layout.FREE_ROW_NEXT links the rest)
         "copies",  # int32 [k, COPY_WIDTH]: page data copies of the current launch
         "lru_lists",  # int64 [L * levels * 2 * priorities, LRU_LISTS.width]: eviction candidates' lists
         "lru_groups",  # int64 [L * levels * 2, LRU_GROUPS.width]: their counts (kernels/lru.py)
@@ -175,12 +176,14 @@ class Tables:
         pages = np.full((total, PAGES.width), NULL, dtype=PAGES.dtype)
         pages[:, PAGE_INFO] = page_info(PAGE_FREE, 0, PRIORITY_MIN)
         page_free = np.empty(total, dtype=ROW_DTYPE)
-        row_free = np.empty(total, dtype=ROW_DTYPE)
         for pool, (start, size) in enumerate(zip(starts, sizes)):
             page_free[start:start + size] = np.arange(size - 1, -1, -1)  # pop index 0 first
-        for lc in range(L):
-            rows_of_lc = np.arange(row_starts[lc], row_starts[lc] + per_lc[lc], dtype=np.int64)
-            row_free[rows_of_lc] = rows_of_lc[::-1]  # pop the lowest row first
+        # Each life cycle's free rows, linked through the rows themselves in
+        # ascending order: the lowest row is taken first.
+        pages[:, FREE_ROW_NEXT] = np.arange(1, total + 1)
+        row_ends = row_starts + per_lc
+        pages[row_ends[per_lc > 0] - 1, FREE_ROW_NEXT] = NULL
+        row_head = np.where(per_lc > 0, row_starts, NULL).astype(np.int64)
         self.num_pages = total
         # Not zeroed: the kernels clear each record as they append it. Sized
         # per launch (``ensure_log``), never for the whole pool.
@@ -193,7 +196,7 @@ class Tables:
         self.pool_size = backend.to_device(sizes.copy())
         self.row_start = backend.to_device(row_starts)
         self.row_top = backend.to_device(per_lc.astype(np.int64).copy())
-        self.row_free = backend.to_device(row_free)
+        self.row_head = backend.to_device(row_head)
         # A page moves at most twice per launch (down to the host, back up on a
         # lock) and every allocation copies at most once: 3P + 16 copies, or
         # the budget when that is fewer (launches are split to fit it).

@@ -150,15 +150,17 @@ PAGES = Layout(
     [
         # Its life cycle is not a field: each owns a run of rows (``row_start``).
         ("block", 1),  # the block whose slot links this page; NULL = unlinked
-        ("coverage", 1),  # leading tokens of its block this page holds valid data for
         # Its state (PAGE_* below), cache level (0 = GPU, 1 = host),
-        # eviction priority and eviction list, packed (``page_info`` below).
+        # eviction priority and eviction list, and its coverage (the leading
+        # tokens of its block it holds valid data for), packed (``page_info``
+        # below).
         ("info", 1),
         ("holders", 1),  # sequences holding the page
         ("locks", 1),  # sequences holding it locked on the GPU
         ("pool_index", 1),  # its index in the life cycle's pool of its level
         # Its neighbours in its eviction list (kernels/lru.py), oldest
-        # first; NULL when it is no candidate.
+        # first; NULL when it is no candidate. A free row's ``lru_next``
+        # links it into its life cycle's free rows (``FREE_ROW_NEXT``).
         ("lru_prev", 1),
         ("lru_next", 1),
         # The row's allocations so far: tells a page from a later one in the
@@ -185,17 +187,19 @@ PAGE_COMMITTED = 2
 # next, then whether it is an eviction candidate and whether in its group's
 # list of held pages (its list is that of its life cycle, level and priority
 # in that group: ``kernels/lru.py``), its priority above (less PRIORITY_MIN:
-# 7 bits). Read and written only through these functions, which the kernels
-# compile (``kernels/lru.py``) and the host applies to whole columns.
+# 7 bits), and its coverage at the top (0..T, T at most 4096: 13 bits). Read
+# and written only through these functions, which the kernels compile
+# (``kernels/lru.py``) and the host applies to whole columns.
 INFO_LEVEL_SHIFT = 2
 INFO_LISTED_SHIFT = 3
 INFO_HELD_SHIFT = 4
 INFO_PRIORITY_SHIFT = 5
+INFO_COVERAGE_SHIFT = 12
 
 
 def page_info(state, level, priority):
     """The ``info`` word of a page in ``state`` at ``level`` of ``priority``,
-    in no eviction list."""
+    in no eviction list, covering nothing."""
     return state | (level << INFO_LEVEL_SHIFT) | ((priority - PRIORITY_MIN) << INFO_PRIORITY_SHIFT)
 
 
@@ -208,7 +212,15 @@ def info_level(info):
 
 
 def info_priority(info):
-    return (info >> INFO_PRIORITY_SHIFT) + PRIORITY_MIN
+    return ((info >> INFO_PRIORITY_SHIFT) & ((1 << (INFO_COVERAGE_SHIFT - INFO_PRIORITY_SHIFT)) - 1)) + PRIORITY_MIN
+
+
+def info_coverage(info):
+    return info >> INFO_COVERAGE_SHIFT
+
+
+def with_coverage(info, coverage):
+    return (info & ((1 << INFO_COVERAGE_SHIFT) - 1)) | (coverage << INFO_COVERAGE_SHIFT)
 
 
 def info_listed(info):
@@ -541,14 +553,14 @@ BID_KEY = 0
 SLOT_WORD = 0
 
 PAGE_BLOCK = 0
-PAGE_COVERAGE = 1
-PAGE_INFO = 2
-PAGE_HOLDERS = 3
-PAGE_LOCKS = 4
-PAGE_POOL_INDEX = 5
-PAGE_LRU_PREV = 6
-PAGE_LRU_NEXT = 7
-PAGE_SERIAL = 8
+PAGE_INFO = 1
+PAGE_HOLDERS = 2
+PAGE_LOCKS = 3
+PAGE_POOL_INDEX = 4
+PAGE_LRU_PREV = 5
+PAGE_LRU_NEXT = 6
+PAGE_SERIAL = 7
+FREE_ROW_NEXT = PAGE_LRU_NEXT  # a free row is no eviction candidate
 
 STAMP_LRU_TICK = 0
 

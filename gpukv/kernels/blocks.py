@@ -47,7 +47,6 @@ from ..core.layout import (
     OUT_BLOCK,
     OUT_IS_NEW,
     PAGE_BLOCK,
-    PAGE_COVERAGE,
     POLICY_BLOCK_DIGESTS,
     RETIRED_FREED,
     RETIRED_REMOVED,
@@ -73,7 +72,9 @@ from .index import (
 )
 from .keys import combine, content_hash
 from .log import log
-from .pages import can_replace_page, free_page, is_droppable, page_life_cycle, page_of, replace_page, set_slot, unlink_page
+from .pages import (
+    can_replace_page, free_page, is_droppable, page_coverage, page_life_cycle, page_of, replace_page, set_slot, unlink_page,
+)
 from .sha256 import chain_digest
 
 
@@ -321,7 +322,7 @@ def adopt_pages_from(S, r, other):
     would null the back-pointer that ``replace_page`` is about to reset."""
     for lc in range(S.lc_kind.shape[0]):
         p = page_of(S, other, lc)
-        if p != NULL and can_replace_page(S, r, lc, S.pages[p, PAGE_COVERAGE]):
+        if p != NULL and can_replace_page(S, r, lc, page_coverage(S, p)):
             set_slot(S, other, lc, NULL)
             replace_page(S, r, lc, p)
 

@@ -28,7 +28,6 @@ from ..core.layout import (
     NULL,
     PAGE_BLOCK,
     PAGE_COMMITTED,
-    PAGE_COVERAGE,
     PAGE_FREE,
     PAGE_HOLDERS,
     PAGE_LOCKS,
@@ -53,6 +52,7 @@ from .pages import (
     push_storage,
     record_copy,
     replace_page,
+    set_page_coverage,
     set_page_level,
 )
 
@@ -248,7 +248,7 @@ def install_page(S, r, lc, p, cov):
     joins its LRU; True when installed. Callers checked the slot was narrower
     before making room; eviction may remove the block's pages but never widens
     them, so the check here only guards, freeing ``p`` when it fails."""
-    S.pages[p, PAGE_COVERAGE] = cov
+    set_page_coverage(S, p, cov)
     if not can_replace_page(S, r, lc, cov):
         free_page(S, p)
         return False

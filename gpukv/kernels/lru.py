@@ -33,12 +33,14 @@ from ..core.layout import (
     PAGE_LRU_PREV,
     STAMP_LRU_TICK,
     as_int32,
+    info_coverage,
     info_held,
     info_level,
     info_listed,
     info_priority,
     info_state,
     page_info,
+    with_coverage,
     with_level,
     with_listing,
     with_state,
@@ -47,8 +49,8 @@ from .dlist import dlist_insert_after, dlist_remove
 from .link import helper
 
 # core/layout.py's page-info bits and 32-bit wrap, compiled for kernels too.
-for _f in (as_int32, page_info, info_state, info_level, info_listed, info_held, info_priority, with_state, with_level,
-           with_listing):
+for _f in (as_int32, page_info, info_state, info_level, info_listed, info_held, info_priority, info_coverage, with_state,
+           with_level, with_listing, with_coverage):
     helper(_f)
 del _f
 

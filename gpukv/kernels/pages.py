@@ -3,7 +3,8 @@
 A page is a row of ``pages`` (what slots and sequences refer to) plus a
 storage slot in one of the fixed pools, one pool per (life cycle, cache
 level). Row ``slot_row(block, lc, L)`` of ``slots`` links a block to its page
-of a life cycle, with the page's coverage copied in for matching. Linking and
+of a life cycle, with whether the page covers the whole block copied in for
+matching. Linking and
 unlinking go through ``link_page`` and ``unlink_page`` only; page data copies
 are recorded here and carried out by the host after the launch, in order.
 """
@@ -23,9 +24,9 @@ from ..core.layout import (
     COPY_SRC_LEVEL,
     ERR_COPIES_FULL,
     NULL,
+    FREE_ROW_NEXT,
     PAGE_BLOCK,
     PAGE_COMMITTED,
-    PAGE_COVERAGE,
     PAGE_FREE,
     PAGE_HOLDERS,
     PAGE_INFO,
@@ -35,6 +36,7 @@ from ..core.layout import (
     PAGE_SERIAL,
     SLOT_WORD,
     as_int32,
+    info_coverage,
     info_level,
     info_priority,
     info_state,
@@ -43,6 +45,7 @@ from ..core.layout import (
     slot_row,
     slot_whole,
     slot_word,
+    with_coverage,
     with_level,
     with_state,
 )
@@ -81,6 +84,16 @@ def set_page_level(S, p, level):
 
 
 @helper
+def page_coverage(S, p):
+    return info_coverage(S.pages[p, PAGE_INFO])
+
+
+@helper
+def set_page_coverage(S, p, cov):
+    S.pages[p, PAGE_INFO] = with_coverage(S.pages[p, PAGE_INFO], cov)
+
+
+@helper
 def page_of(S, r, lc):
     return slot_page(S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_WORD])
 
@@ -94,12 +107,12 @@ def coverage(S, r, lc):
     if slot_whole(w) != 0:
         return S.tokens.shape[1]
     p = slot_page(w)
-    return 0 if p == NULL else S.pages[p, PAGE_COVERAGE]
+    return 0 if p == NULL else page_coverage(S, p)
 
 
 @helper
 def set_slot(S, r, lc, page):
-    whole = 1 if page != NULL and S.pages[page, PAGE_COVERAGE] == S.tokens.shape[1] else 0
+    whole = 1 if page != NULL and page_coverage(S, page) == S.tokens.shape[1] else 0
     S.slots[slot_row(r, lc, S.lc_kind.shape[0]), SLOT_WORD] = slot_word(page, whole)
 
 
@@ -131,13 +144,13 @@ def alloc_page(S, lc, level, priority):
     no free slot (callers make room first, see ``make_room``)."""
     if S.pool_top[pool_of(lc, level)] == 0:
         return NULL
-    top = S.row_top[lc] - 1
-    S.row_top[lc] = top
-    p = S.row_free[S.row_start[lc] + top]
+    S.row_top[lc] -= 1
+    p = S.row_head[lc]
+    S.row_head[lc] = S.pages[p, FREE_ROW_NEXT]
+    S.pages[p, FREE_ROW_NEXT] = NULL
     S.pages[p, PAGE_INFO] = page_info(PAGE_COMMITTED, level, priority)
     S.pages[p, PAGE_POOL_INDEX] = pop_storage(S, lc, level)
     S.pages[p, PAGE_BLOCK] = NULL
-    S.pages[p, PAGE_COVERAGE] = 0
     S.pages[p, PAGE_HOLDERS] = 0
     S.pages[p, PAGE_LOCKS] = 0
     S.page_stamps[p, STAMP_LRU_TICK] = NULL
@@ -150,12 +163,11 @@ def free_page(S, p):
     lc = page_life_cycle(S, p)
     lru_unlink(S, p)  # a free row is never an eviction candidate
     push_storage(S, lc, page_level(S, p), S.pages[p, PAGE_POOL_INDEX])
-    top = S.row_top[lc]
-    S.row_free[S.row_start[lc] + top] = p
-    S.row_top[lc] = top + 1
+    S.pages[p, FREE_ROW_NEXT] = S.row_head[lc]  # unlinked above: the link is free
+    S.row_head[lc] = p
+    S.row_top[lc] += 1
     S.pages[p, PAGE_INFO] = page_info(PAGE_FREE, 0, page_priority(S, p))
     S.pages[p, PAGE_BLOCK] = NULL
-    S.pages[p, PAGE_COVERAGE] = 0
     S.pages[p, PAGE_POOL_INDEX] = NULL
 
 

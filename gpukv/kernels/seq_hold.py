@@ -18,7 +18,6 @@ from ..core.layout import (
     NULL,
     PAGE_BLOCK,
     PAGE_COMMITTED,
-    PAGE_COVERAGE,
     PAGE_HOLDERS,
     PAGE_LOCKS,
     PAGE_UNCOMMITTED,
@@ -31,7 +30,7 @@ from .link import helper
 from .blocks import maybe_free_orphan, page_death
 from .evict import lru_update, make_room, move_page, schedule, schedule_first
 from .index import is_attached
-from .pages import alloc_page, free_page, page_level, page_life_cycle, page_state, set_page_state
+from .pages import alloc_page, free_page, page_level, page_life_cycle, page_state, set_page_coverage, set_page_state
 
 
 @helper
@@ -106,7 +105,7 @@ def set_tree(S, Q, o, r):
 def commit_page(S, p, cov):
     """An uncommitted page becomes a committed page (same slot, same data)."""
     set_page_state(S, p, PAGE_COMMITTED)
-    S.pages[p, PAGE_COVERAGE] = cov
+    set_page_coverage(S, p, cov)
     S.pages[p, PAGE_BLOCK] = NULL
 
 

@@ -49,7 +49,6 @@ from ..core.layout import (
     OUT_ROOT,
     PAGE_ARG_PAGE,
     PAGE_COMMITTED,
-    PAGE_COVERAGE,
     PAGE_HOLDERS,
     PAGE_SERIAL,
     UNLINK_BLOCK,
@@ -69,7 +68,7 @@ from .evict import begin_launch, install_page, lru_update, make_room, schedule
 from .index import is_root
 from .link import helper, link
 from .log import announce
-from .pages import alloc_page, can_replace_page, page_of, page_state, replace_page, unlink_page
+from .pages import alloc_page, can_replace_page, page_of, page_state, replace_page, set_page_coverage, unlink_page
 
 __all__ = ["build_tree_kernel"]  # with the OP_* codes
 
@@ -139,7 +138,7 @@ def insert_sequence(S, args, toks, out):
                             lru_update(S, q)
                     r = NULL
                     break
-                S.pages[p, PAGE_COVERAGE] = n
+                set_page_coverage(S, p, n)
                 replace_page(S, r, lc, p)
         if r != NULL and out[OUT_IS_NEW] == 1:
             announce(S, r, EV_STORED_BLOCK, NULL)
