@@ -61,8 +61,7 @@ from .core.layout import (
     PAGE_LRU_PREV,
     PAGE_POOL_INDEX,
     PAGE_SERIAL,
-    STAMP_LRU_TICK,
-    PAGE_STAMPS,
+    PAGE_LRU_TICK,
     PAGES,
     ROOT_SCOPE,
     SLOT_WORD,
@@ -94,8 +93,8 @@ def tables(mgr) -> dict:
 
     ``blocks`` (decoded: ``blocks_view``) with ``block_ids`` (the same rows:
     the chain key), ``slots`` (row = block * num_life_cycles + life cycle;
-    decoded: ``slots_view``), ``pages`` (decoded: ``pages_view``) with
-    ``page_stamps`` (the same rows: LRU tick) and ``log``;
+    decoded: ``slots_view``), ``pages`` (decoded: ``pages_view``) and
+    ``log``;
     ``tokens`` is the plain [rows, T] token array and ``digests`` the plain
     [rows, 4] int64 SHA-256 chain keys ([0, 4] with ``block_digests`` off).
     ``block_slots`` is ``slots`` shaped [block rows, life cycles], so
@@ -118,7 +117,6 @@ def tables(mgr) -> dict:
         "slots": slots,
         "block_slots": slots.reshape(blocks.shape[0], len(mgr.config.life_cycles)),
         "pages": pages_view(t, raw_pages),
-        "page_stamps": PAGE_STAMPS.view(h(t.page_stamps)),
         "log": LOG.view(h(t.log)),
         "lru_lists": LRU_LISTS.view(h(t.lru_lists)),
         "lru_groups": LRU_GROUPS.view(h(t.lru_groups)),
@@ -552,7 +550,7 @@ def _check_eviction_lists(mgr, pages, page_lc, listed_in, fail):
     info = pages[:, PAGE_INFO]
     lc, level, state, priority = page_lc, info_level(info), info_state(info), info_priority(info)
     holders = pages[:, PAGE_HOLDERS]
-    tick = h(t.page_stamps)[:, STAMP_LRU_TICK]
+    tick = pages[:, PAGE_LRU_TICK]
     has_host = pool_size[(lc * NUM_LEVELS + 1).clip(0, pool_size.size - 1)] > 0
     evictable = (state != PAGE_FREE) & (pages[:, PAGE_LOCKS] == 0) & np.where(
         holders == 0, state == PAGE_COMMITTED, level < has_host.astype(np.int64))

@@ -53,11 +53,13 @@ from .core.errors import BusyError, TreeError
 from .core.layout import (
     CNT_DETACHES,
     CNT_ERROR,
+    CNT_EVICT_FIRST,
     CNT_HELD_DETACHES,
     CNT_LOG_LEN,
     CNT_LOG_TOKENS_LEN,
     CNT_NUM_COPIES,
     CNT_RETIRED,
+    CNT_TICK,
     CNT_UNLINKS,
     ERR_NONE,
     EV_REMOVED,
@@ -71,6 +73,7 @@ from .core.layout import (
     RETIRED_FREED,
     RETIRED_REMOVED,
     RETIRED_ROOT_REMOVED,
+    TICK_RENUMBER_AT,
 )
 
 
@@ -331,6 +334,8 @@ class Launcher:
             t.counters[self._log_counters] = 0  # both in one store
             if freed is not None:
                 t.return_rows(freed)
+        if max(counters[CNT_TICK], counters[CNT_EVICT_FIRST]) >= TICK_RENUMBER_AT:
+            t.renumber_ticks()  # a page's LRU tick is 32 bits wide; the clocks never stop
         self._drained = None
         self._log_fed[0] = 0
         err = counters[CNT_ERROR]

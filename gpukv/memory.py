@@ -33,7 +33,7 @@ import numpy as np
 
 from .core.config import CacheConfig
 from .core.layout import (
-    BLOCK_IDS, BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGE_STAMPS, PAGES,
+    BLOCK_IDS, BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGES,
     POLICY, ROW_DTYPE, SHA256_WORK_WORDS, SLOTS,
 )
 from .table_sizes import copy_budget, index_buckets, preallocated_sizes
@@ -74,7 +74,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
       bucket arrays of half a head per row, a power of two (int32:
       ``table_sizes.index_buckets``);
     - per page ``P`` (GPU and host pages of every life cycle): ``pages``
-      (its layout width, int32), ``page_stamps`` (the 64-bit LRU tick),
+      (its layout width, int32: the LRU tick among its fields),
       ``page_free`` (int32) and
       the copy list (``3P + 16`` records, int32, or ``table_sizes.COPY_LIST_BUDGET``
       bytes when that is less);
@@ -112,7 +112,6 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
         "tokens": rows * T * INT32,
         "slots": record(SLOTS, rows * L),
         "pages": record(PAGES, P),
-        "page_stamps": record(PAGE_STAMPS, P),
         "buckets": buckets * ROW,
         "sibling_buckets": buckets * ROW,
         "block_free": rows * ROW,

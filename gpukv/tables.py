@@ -48,10 +48,12 @@ from .core.layout import (
     BLOCK_IDS,
     BLOCKS,
     CNT_BLOCK_FREE_TOP,
+    CNT_EVICT_FIRST,
     CNT_LOG_LEN,
     CNT_LOG_TOKENS_LEN,
     CNT_NUM_COPIES,
     CNT_RETIRED,
+    CNT_TICK,
     COPIES,
     COPY_WIDTH,
     COUNTERS,
@@ -69,7 +71,7 @@ from .core.layout import (
     FREE_ROW_NEXT,
     PAGE_INFO,
     PAGE_FREE,
-    PAGE_STAMPS,
+    PAGE_LRU_TICK,
     PAGES,
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_SCRATCH_REWIND,
@@ -94,7 +96,6 @@ DeviceTables = namedtuple(
         "tokens",  # int32 [rows, T]
         "slots",  # int32 [rows * L, SLOTS.width]
         "pages",  # int32 [pages, PAGES.width]
-        "page_stamps",  # int64 [pages, PAGE_STAMPS.width]: the pages' LRU ticks
         "buckets",  # int32 [power of two]: child-index bucket heads (by key)
         "sibling_buckets",  # int32 [power of two]: heads by (parent row, first token)
         "block_free",  # int32 [rows]: free-row stack, and a launch's retired rows at its end
@@ -189,7 +190,6 @@ class Tables:
         # per launch (``ensure_log``), never for the whole pool.
         self.log = xp.empty((sizes0["log"], LOG.width), dtype=np.int64)
         self.pages = backend.to_device(pages)
-        self.page_stamps = xp.full((total, PAGE_STAMPS.width), NULL, dtype=PAGE_STAMPS.dtype)
         self.page_free = backend.to_device(page_free)
         self.pool_start = backend.to_device(starts)
         self.pool_top = backend.to_device(sizes.copy())
@@ -263,6 +263,25 @@ class Tables:
 
     def counters_host(self) -> np.ndarray:
         return self.backend.to_host(self.counters)
+
+    def renumber_ticks(self) -> None:
+        """Give the pages' LRU ticks the smallest values that keep their order
+        (ties stay ties), and the clocks the counts: a page's tick is 32 bits
+        wide, the manager's clock never stops. Between launches, once either
+        clock passes ``layout.TICK_RENUMBER_AT``: a few sorts over the pool,
+        once per billion schedules. NULL (never scheduled) stays NULL,
+        between the evict-first pushes below it and the clock's ticks."""
+        xp = self.xp
+        tick = self.pages[:, PAGE_LRU_TICK].astype(np.int64)
+        live = info_state(self.pages[:, PAGE_INFO]) != PAGE_FREE  # a free row's tick is rewritten when taken
+        later, first = live & (tick > NULL), live & (tick < NULL)
+        ticks, rank = xp.unique(tick[later], return_inverse=True)
+        pushes, push_rank = xp.unique(tick[first], return_inverse=True)  # the newest push is the lowest
+        tick[later] = rank.reshape(-1)
+        tick[first] = NULL - pushes.size + push_rank.reshape(-1)
+        self.pages[:, PAGE_LRU_TICK] = tick.astype(PAGES.dtype)
+        self.counters[CNT_TICK] = ticks.size
+        self.counters[CNT_EVICT_FIRST] = pushes.size
 
     def obtainable_pages(self, lc: int, level: int) -> int:
         """The pages an allocation at ``level`` of life cycle ``lc`` could

@@ -25,8 +25,8 @@ from .config import PRIORITY_MAX, PRIORITY_MIN
 NULL = -1  # "no row": an empty slot, a missing parent, the end of a list
 # Block rows, page rows and pool indices are below 2**31: tables that hold
 # nothing else (block and page records, bucket heads, free lists, copies,
-# slots) are this narrow. Keys, digests, serials, ticks and counters stay
-# 64-bit, in tables of their own beside the records (BLOCK_IDS, PAGE_STAMPS).
+# slots) are this narrow. Keys, digests and counters stay 64-bit, in tables
+# of their own beside the records (BLOCK_IDS, digests, COUNTERS).
 ROW_DTYPE = np.int32
 
 
@@ -169,17 +169,16 @@ PAGES = Layout(
         # for equality, so 32 bits wrap harmlessly: a stale handle would need
         # 2**32 allocations of its row to pass for the page it named.
         ("serial", 1),
+        # When it last became evictable (LRU order): the manager's clock
+        # (``CNT_TICK``), or below every tick for an evict-first push
+        # (``CNT_EVICT_FIRST``), NULL before it ever was. A clock that never
+        # stops would outgrow 32 bits, so the host renumbers the ticks, keeping
+        # their order, before either count reaches ``TICK_RENUMBER_AT``
+        # (``Tables.renumber_ticks``).
+        ("lru_tick", 1),
     ],
 )
-# The 64-bit field of each page row, beside PAGES (same row numbers): a
-# logical clock that a long-running manager must not wrap.
-PAGE_STAMPS = Layout(
-    "page_stamps",
-    np.int64,
-    [
-        ("lru_tick", 1),  # when it last became evictable (LRU order)
-    ],
-)
+TICK_RENUMBER_AT = 1 << 30  # far below 2**31: no launch schedules that many pages
 PAGE_FREE = 0
 PAGE_UNCOMMITTED = 1
 PAGE_COMMITTED = 2
@@ -560,9 +559,9 @@ PAGE_POOL_INDEX = 4
 PAGE_LRU_PREV = 5
 PAGE_LRU_NEXT = 6
 PAGE_SERIAL = 7
+PAGE_LRU_TICK = 8
 FREE_ROW_NEXT = PAGE_LRU_NEXT  # a free row is no eviction candidate
 
-STAMP_LRU_TICK = 0
 
 LOG_KIND = 0
 LOG_LIFE_CYCLE = 1
@@ -722,7 +721,7 @@ def _check_columns(layout: Layout, prefix: str):
 
 
 for _layout, _prefix in (
-    (BLOCKS, "BLK"), (BLOCK_IDS, "BID"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (PAGE_STAMPS, "STAMP"), (LOG, "LOG"),
+    (BLOCKS, "BLK"), (BLOCK_IDS, "BID"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (LOG, "LOG"),
     (COUNTERS, "CNT"), (POLICY, "POLICY"),
     (COPIES, "COPY"), (LRU_LISTS, "LRU"), (LRU_GROUPS, "LG"), (SEQ_SCALARS, "Q"), (MATCH_RESULT, "RES"),
     (LANE, "LN"), (ADD_ARGS, "ADD"), (INSERT_ARGS, "INSERT"), (ADD_PAGE_ARGS, "ADD_PAGE"), (UNLINK_ARGS, "UNLINK"),

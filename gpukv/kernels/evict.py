@@ -31,8 +31,8 @@ from ..core.layout import (
     PAGE_FREE,
     PAGE_HOLDERS,
     PAGE_LOCKS,
+    PAGE_LRU_TICK,
     PAGE_POOL_INDEX,
-    STAMP_LRU_TICK,
 )
 from .link import helper
 from .blocks import page_death
@@ -94,7 +94,7 @@ def lru_update(S, p):
 def enter_lru(S, p, t):
     """``p`` takes its place ``t`` in its LRU (or leaves it, if no candidate)."""
     lru_unlink(S, p)
-    S.page_stamps[p, STAMP_LRU_TICK] = t
+    S.pages[p, PAGE_LRU_TICK] = t
     want = candidate_list(S, p)
     if want != NULL:
         lru_insert(S, p, want)
@@ -122,7 +122,7 @@ def evicts_before(S, p, q):
         return True
     a = page_priority(S, p)
     b = page_priority(S, q)
-    return a < b or (a == b and S.page_stamps[p, STAMP_LRU_TICK] < S.page_stamps[q, STAMP_LRU_TICK])
+    return a < b or (a == b and S.pages[p, PAGE_LRU_TICK] < S.pages[q, PAGE_LRU_TICK])
 
 
 @helper(inline=False)

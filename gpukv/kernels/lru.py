@@ -31,7 +31,7 @@ from ..core.layout import (
     PAGE_INFO,
     PAGE_LRU_NEXT,
     PAGE_LRU_PREV,
-    STAMP_LRU_TICK,
+    PAGE_LRU_TICK,
     as_int32,
     info_coverage,
     info_held,
@@ -127,14 +127,14 @@ def lru_insert(S, p, lst):
     becomes a candidate of another list keeping its tick (a cached page a
     new sequence holds) lands anywhere: the search runs from both ends at
     once, so it costs the distance to the nearer end."""
-    t = S.page_stamps[p, STAMP_LRU_TICK]
+    t = S.pages[p, PAGE_LRU_TICK]
     back = S.lru_lists[lst, LRU_TAIL]  # every page after ``back`` is newer than p
     front = S.lru_lists[lst, LRU_HEAD]  # every page before ``front`` is older than p
     while back != NULL:
-        if S.page_stamps[back, STAMP_LRU_TICK] <= t:
+        if S.pages[back, PAGE_LRU_TICK] <= t:
             lru_link_after(S, p, lst, back)
             return
-        if S.page_stamps[front, STAMP_LRU_TICK] > t:
+        if S.pages[front, PAGE_LRU_TICK] > t:
             lru_link_after(S, p, lst, S.pages[front, PAGE_LRU_PREV])
             return
         back = S.pages[back, PAGE_LRU_PREV]

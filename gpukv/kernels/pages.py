@@ -31,7 +31,7 @@ from ..core.layout import (
     PAGE_HOLDERS,
     PAGE_INFO,
     PAGE_LOCKS,
-    STAMP_LRU_TICK,
+    PAGE_LRU_TICK,
     PAGE_POOL_INDEX,
     PAGE_SERIAL,
     SLOT_WORD,
@@ -153,7 +153,7 @@ def alloc_page(S, lc, level, priority):
     S.pages[p, PAGE_BLOCK] = NULL
     S.pages[p, PAGE_HOLDERS] = 0
     S.pages[p, PAGE_LOCKS] = 0
-    S.page_stamps[p, STAMP_LRU_TICK] = NULL
+    S.pages[p, PAGE_LRU_TICK] = NULL
     S.pages[p, PAGE_SERIAL] = as_int32(np.int64(S.pages[p, PAGE_SERIAL]) + 1)  # a new page in this row
     return p
 

@@ -16,7 +16,7 @@ import pytest
 
 from gpukv import Attention, introspect
 from gpukv.core.layout import (
-    INFO_HELD_SHIFT, LG_COUNT, LG_LOWEST, NULL, PAGE_HOLDERS, PAGE_INFO, PAGE_LOCKS, PAGE_LRU_PREV, STAMP_LRU_TICK,
+    INFO_HELD_SHIFT, LG_COUNT, LG_LOWEST, NULL, PAGE_HOLDERS, PAGE_INFO, PAGE_LOCKS, PAGE_LRU_PREV, PAGE_LRU_TICK,
 )
 
 from tests.support.backends import make_manager
@@ -268,9 +268,9 @@ def _cached_pool():
 
 def _corrupt_order(mgr):
     order = introspect.eviction_order(mgr, 0)
-    stamps = mgr._tables.page_stamps
+    pages = mgr._tables.pages
     a, b = order[-2], order[-1]  # seq(2)'s two pages, one list
-    stamps[a, STAMP_LRU_TICK], stamps[b, STAMP_LRU_TICK] = stamps[b, STAMP_LRU_TICK], stamps[a, STAMP_LRU_TICK]
+    pages[a, PAGE_LRU_TICK], pages[b, PAGE_LRU_TICK] = pages[b, PAGE_LRU_TICK], pages[a, PAGE_LRU_TICK]
 
 
 def _corrupt_unlink(mgr):

@@ -216,7 +216,7 @@ def test_a_cached_page_a_new_cache_holds_keeps_its_age_among_the_held():
     assert introspect.eviction_order(mgr, 0) == rows[1][::-1]
     reuser = mgr.create_kv_cache(seq(1))  # SUSPENDED, holding seq(1)'s pages
     assert reuser.num_committed_tokens == 2 * T
-    ticks = introspect.tables(mgr)["page_stamps"]["lru_tick"]
+    ticks = introspect.tables(mgr)["pages"]["lru_tick"]
     order = introspect.eviction_order(mgr, 0, held=True)
     assert order == sorted(rows[0] + rows[1] + rows[2], key=lambda p: ticks[p])
     assert order[:2] == sorted(rows[0], key=lambda p: ticks[p]) and order[4:] == sorted(rows[2], key=lambda p: ticks[p])
