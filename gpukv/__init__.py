@@ -30,6 +30,7 @@ from .event_types import (
     KVCacheUpdatedData,
 )
 from .core.hashing import gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
+from .core.layout import MAX_CACHES
 from .memory import IndexMemory, index_memory
 from .manager import KVCacheManager
 from .page_memory import PageCopies
@@ -60,6 +61,7 @@ __all__ = [
     "KVCacheUpdatedData",
     "KVCacheStatus",
     "LogicError",
+    "MAX_CACHES",
     "PageCopies",
     "ReuseScope",
     "Ssm",

@@ -36,10 +36,12 @@ import struct
 import numpy as np
 
 from .core.config import DEFAULT_PRIORITY
+from .core.errors import LogicError
 from .core.kinds import has_window, is_checkpoint
 from .core.layout import (
     BATCH_ARGS, BATCH_OP, BATCH_PATH, BATCH_SLOT, BATCH_TOKENS, BATCH_WIDTH, FIRST_COMMIT_OP,
-    CLOSED, NULL, Q_COMMITTED, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_STATUS, Q_WIDTH, SEQ_ARGS_WIDTH,
+    CLOSED, MAX_CACHES, NULL, Q_COMMITTED, Q_NEVER_RESUMED, Q_SCOPE_ID, Q_SCOPE_KEY, Q_SSM_PAGE, Q_STATUS, Q_WIDTH,
+    SEQ_ARGS_WIDTH,
     TREE_OUT,
 )
 from .kernels.seq import SeqPool, SeqTables, build_seq_kernels, slot_tables
@@ -241,7 +243,12 @@ class CachePool:
                 heapq.heapify(free)
                 if len(free) < n - len(picked):
                     size = self.seg.shape[0]
-                    self._grow_slots(max(2 * size, size + n))
+                    need = size + n - len(picked) - len(free)
+                    if need > MAX_CACHES:  # a page's hold counts are 16 bits (layout.page_holds)
+                        raise LogicError(f"a manager keeps at most {MAX_CACHES} caches alive at once: "
+                                         f"{size - len(free) - len(seen)} are, {n} more asked for (close some, "
+                                         f"and drop closed ones: a closed cache's slot returns when it is collected)")
+                    self._grow_slots(min(MAX_CACHES, max(2 * size, size + n)))
                     serial = self.serial
                 continue
             s = heapq.heappop(free)

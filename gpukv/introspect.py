@@ -54,9 +54,8 @@ from .core.layout import (
     PAGE_BLOCK,
     PAGE_COMMITTED,
     PAGE_FREE,
-    PAGE_HOLDERS,
+    PAGE_HOLDS,
     PAGE_INFO,
-    PAGE_LOCKS,
     PAGE_LRU_NEXT,
     PAGE_LRU_PREV,
     PAGE_POOL_INDEX,
@@ -66,6 +65,8 @@ from .core.layout import (
     ROOT_SCOPE,
     SLOT_WORD,
     SLOTS,
+    holds_holders,
+    holds_locks,
     info_coverage,
     info_flags,
     info_held,
@@ -180,16 +181,17 @@ def pages_view(tables, raw) -> np.ndarray:
     """A host copy of the page table (``raw``: its rows, of ``tables``) as a
     structured array: its stored fields and, decoded from ``info`` and the
     row, each page's ``state``, ``level``, ``priority``, ``coverage``,
-    ``life_cycle`` (``page_life_cycles``) and ``lru_list`` (the ``lru_lists``
-    row it is linked in, NULL for none)."""
-    info, lc = raw[:, PAGE_INFO], page_life_cycles(tables)
-    decoded = np.column_stack([raw, info_state(info), info_level(info), info_priority(info), info_coverage(info), lc,
-                               page_lists(raw, lc)])
+    ``holders``, ``locks``, ``life_cycle`` (``page_life_cycles``) and
+    ``lru_list`` (the ``lru_lists`` row it is linked in, NULL for none)."""
+    info, holds, lc = raw[:, PAGE_INFO], raw[:, PAGE_HOLDS], page_life_cycles(tables)
+    decoded = np.column_stack([raw, info_state(info), info_level(info), info_priority(info), info_coverage(info),
+                               holds_holders(holds), holds_locks(holds), lc, page_lists(raw, lc)])
     return _PAGES_DECODED.view(decoded.astype(PAGES.dtype, copy=False))
 
 
 _PAGES_DECODED = Layout("pages_decoded", PAGES.dtype, PAGES.fields + [
-    ("state", 1), ("level", 1), ("priority", 1), ("coverage", 1), ("life_cycle", 1), ("lru_list", 1)])
+    ("state", 1), ("level", 1), ("priority", 1), ("coverage", 1), ("holders", 1), ("locks", 1), ("life_cycle", 1),
+    ("lru_list", 1)])
 
 
 def page_lists(raw, lc) -> np.ndarray:
@@ -549,10 +551,10 @@ def _check_eviction_lists(mgr, pages, page_lc, listed_in, fail):
     n = pages.shape[0]
     info = pages[:, PAGE_INFO]
     lc, level, state, priority = page_lc, info_level(info), info_state(info), info_priority(info)
-    holders = pages[:, PAGE_HOLDERS]
+    holders, locks = holds_holders(pages[:, PAGE_HOLDS]), holds_locks(pages[:, PAGE_HOLDS])
     tick = pages[:, PAGE_LRU_TICK]
     has_host = pool_size[(lc * NUM_LEVELS + 1).clip(0, pool_size.size - 1)] > 0
-    evictable = (state != PAGE_FREE) & (pages[:, PAGE_LOCKS] == 0) & np.where(
+    evictable = (state != PAGE_FREE) & (locks == 0) & np.where(
         holders == 0, state == PAGE_COMMITTED, level < has_host.astype(np.int64))
     group = (lc * NUM_LEVELS + level) * NUM_HELD + (holders > 0)
     want = np.where(evictable, group * NUM_PRIORITIES + priority - PRIORITY_MIN, NULL)
@@ -603,9 +605,11 @@ def _check_pools(mgr, pages, fail):
     page_free, row_head, row_start, row_top = h(t.page_free), h(t.row_head), h(t.row_start), h(t.row_top)
     live = info_state(pages[:, PAGE_INFO]) != PAGE_FREE
     level = info_level(pages[:, PAGE_INFO])
-    if (pages[live, PAGE_LOCKS] < 0).any() or (pages[live, PAGE_LOCKS] > pages[live, PAGE_HOLDERS]).any():
-        fail(9, "a page has negative locks or more locks than holders")
-    if (level[live & (pages[:, PAGE_LOCKS] > 0)] != 0).any():
+    holds = pages[:, PAGE_HOLDS]
+    # Negative locks borrow from the holders: they show as more locks than holders.
+    if (holds[live] < 0).any() or (holds_locks(holds[live]) > holds_holders(holds[live])).any():
+        fail(9, "a page has negative holders or more locks than holders")
+    if (level[live & (holds_locks(holds) > 0)] != 0).any():
         fail(9, "a locked page is not on the GPU")
     for lc in range(len(mgr.config.life_cycles)):
         n_rows = int(pool_size[2 * lc] + pool_size[2 * lc + 1])

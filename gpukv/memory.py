@@ -33,7 +33,7 @@ import numpy as np
 
 from .core.config import CacheConfig
 from .core.layout import (
-    BLOCK_IDS, BLOCKS, COPIES, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGES,
+    BLOCK_IDS, BLOCKS, COPY_RECORDS, COUNTERS, LOG, LRU_GROUPS, LRU_LISTS, NUM_HELD, NUM_LEVELS, NUM_PRIORITIES, PAGES,
     POLICY, ROW_DTYPE, SHA256_WORK_WORDS, SLOTS,
 )
 from .table_sizes import copy_budget, index_buckets, preallocated_sizes
@@ -122,7 +122,7 @@ def index_memory(config: CacheConfig, blocks: int | None = None) -> IndexMemory:
         "row_start": L * INT64,
         "row_top": L * INT64,
         "row_head": L * INT64,
-        "copies": record(COPIES, copy_budget(P)),
+        "copies": record(COPY_RECORDS, copy_budget(P)),
         "lru_lists": record(LRU_LISTS, groups * NUM_PRIORITIES),
         "lru_groups": record(LRU_GROUPS, groups),
         "no_host_room": max(1, L) * INT64,

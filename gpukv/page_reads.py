@@ -26,14 +26,14 @@ import numpy as np
 from . import inputs
 from .cache_pool import ranges
 from .core.layout import (
-    NULL, NUM_LEVELS, PAGE_HOLDERS, PAGE_INFO, PAGE_LOCKS, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_WORD, info_level, slot_page,
+    NULL, NUM_LEVELS, PAGE_HOLDS, PAGE_INFO, PAGE_POOL_INDEX, Q_NUM_BLOCKS, SLOT_WORD, info_level, slot_page,
     slot_row,
 )
 
 # The page table columns each read gathers (one gather of just those columns;
 # a page's level is in its ``info``).
 _LEVEL_AND_INDEX = np.array([PAGE_INFO, PAGE_POOL_INDEX])
-_LEVEL_INDEX_HOLDERS_LOCKS = np.array([PAGE_INFO, PAGE_POOL_INDEX, PAGE_HOLDERS, PAGE_LOCKS])
+_LEVEL_INDEX_HOLDS = np.array([PAGE_INFO, PAGE_POOL_INDEX, PAGE_HOLDS])
 
 
 def pool_indices(tables, page_rows: np.ndarray) -> np.ndarray:
@@ -84,10 +84,10 @@ def match_pages(tables, block_rows: np.ndarray, life_cycle_id: int) -> tuple[np.
     held = np.zeros(n, dtype=bool)
     have = np.nonzero(page_rows != NULL)[0]
     if have.size:
-        fields = b.to_host(tables.pages[b.to_device(page_rows[have, None]), _LEVEL_INDEX_HOLDERS_LOCKS])
+        fields = b.to_host(tables.pages[b.to_device(page_rows[have, None]), _LEVEL_INDEX_HOLDS])
         on_gpu = info_level(fields[:, 0]) == 0
         out[have[on_gpu]] = fields[on_gpu, 1]
-        held[have] = (fields[:, 2] > 0) | (fields[:, 3] > 0)
+        held[have] = fields[:, 2] != 0  # held or locked
     return out, held
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .core.config import CacheConfig
 from .core.kinds import has_window
-from .core.layout import COPIES, LOG
+from .core.layout import COPY_RECORDS, LOG
 
 INITIAL_BLOCK_ROWS = 256
 LOG_MIN_ROWS = 256  # slack of every launch's change-log room, and where the log starts without max_blocks
@@ -32,7 +32,7 @@ CHANGE_LOG_BUDGET = 4 << 20
 LOG_BUDGET_MIN_ROWS = 4 * LOG_MIN_ROWS  # the least any budget gives: the slack and some room
 # Bytes the page-copy list of one launch is kept within, split likewise
 # (it needs at most three copies per page of the pool, its size when smaller).
-COPY_LIST_BUDGET = 1 << 19
+COPY_LIST_BUDGET = 3 << 17  # 32,768 copies of 12 bytes
 COPY_SLACK = 16
 COPY_BUDGET_MIN_ROWS = 256
 
@@ -48,7 +48,7 @@ def log_budget(tokens_per_block: int) -> tuple[int, int]:
 def copy_budget(num_pages: int) -> int:
     """Rows of the page-copy list: what ``COPY_LIST_BUDGET`` buys, or the
     most any launch records (``3P + 16``) when that is fewer."""
-    record = COPIES.width * COPIES.dtype.itemsize
+    record = COPY_RECORDS.width * COPY_RECORDS.dtype.itemsize
     return int(min(3 * num_pages + COPY_SLACK, max(COPY_BUDGET_MIN_ROWS, COPY_LIST_BUDGET // record)))
 
 

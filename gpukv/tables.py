@@ -54,8 +54,7 @@ from .core.layout import (
     CNT_NUM_COPIES,
     CNT_RETIRED,
     CNT_TICK,
-    COPIES,
-    COPY_WIDTH,
+    COPY_RECORDS,
     COUNTERS,
     EMPTY_SLOT,
     FLAG_ATTACHED,
@@ -69,6 +68,7 @@ from .core.layout import (
     NULL,
     PAGE_COMMITTED,
     FREE_ROW_NEXT,
+    PAGE_HOLDS,
     PAGE_INFO,
     PAGE_FREE,
     PAGE_LRU_TICK,
@@ -84,6 +84,7 @@ from .core.layout import (
     SLOTS,
     PAGE_SERIAL,
     info_state,
+    copies_table,
     page_info,
 )
 
@@ -106,7 +107,7 @@ DeviceTables = namedtuple(
         "row_start",  # int64 [L]: each life cycle's first page row
         "row_top",  # int64 [L]: free page rows of each life cycle
         "row_head",  # int64 [L]: the first of them, NULL for none (layout.FREE_ROW_NEXT links the rest)
-        "copies",  # int32 [k, COPY_WIDTH]: page data copies of the current launch
+        "copies",  # int32 [k, COPY_RECORDS.width]: page data copies of the current launch
         "lru_lists",  # int64 [L * levels * 2 * priorities, LRU_LISTS.width]: eviction candidates' lists
         "lru_groups",  # int64 [L * levels * 2, LRU_GROUPS.width]: their counts (kernels/lru.py)
         "no_host_room",  # int64 [L]: set when the host tier could not take a held page
@@ -176,6 +177,7 @@ class Tables:
         total = int(sizes.sum())
         pages = np.full((total, PAGES.width), NULL, dtype=PAGES.dtype)
         pages[:, PAGE_INFO] = page_info(PAGE_FREE, 0, PRIORITY_MIN)
+        pages[:, PAGE_HOLDS] = 0  # nobody holds a free row (its two counts share the word)
         page_free = np.empty(total, dtype=ROW_DTYPE)
         for pool, (start, size) in enumerate(zip(starts, sizes)):
             page_free[start:start + size] = np.arange(size - 1, -1, -1)  # pop index 0 first
@@ -203,7 +205,7 @@ class Tables:
         self.copy_budget = copy_budget(total)
         # Launches are split to fit it only when it holds fewer than any launch may record.
         self.copy_room = self.copy_budget if self.copy_budget < 3 * total + COPY_SLACK else None
-        self.copies = xp.zeros((self.copy_budget, COPY_WIDTH), dtype=COPIES.dtype)
+        self.copies = xp.zeros((self.copy_budget, COPY_RECORDS.width), dtype=COPY_RECORDS.dtype)
         groups = max(1, L) * NUM_LEVELS * NUM_HELD
         self.lru_lists = xp.full((groups * NUM_PRIORITIES, LRU_LISTS.width), NULL, dtype=np.int64)
         lru_groups = np.zeros((groups, LRU_GROUPS.width), dtype=np.int64)
@@ -511,7 +513,7 @@ class Tables:
             if table is not self.log:
                 self.log = table
         need = max(copies, need)
-        table = self._sized(self.copies, need, copies, self.copy_budget, COPIES.dtype, zero=True, fixed=True)
+        table = self._sized(self.copies, need, copies, self.copy_budget, COPY_RECORDS.dtype, zero=True, fixed=True)
         if table is not self.copies:
             self.copies = table
 
@@ -569,4 +571,4 @@ class Tables:
 
     def read_copies(self, n: int) -> np.ndarray:
         """The first ``n`` recorded page data copies, as an int64 host copy."""
-        return np.array(self.backend.to_host(self.copies[:n]), dtype=np.int64)
+        return copies_table(self.backend.to_host(self.copies[:n]))

@@ -155,8 +155,9 @@ PAGES = Layout(
         # tokens of its block it holds valid data for), packed (``page_info``
         # below).
         ("info", 1),
-        ("holders", 1),  # sequences holding the page
-        ("locks", 1),  # sequences holding it locked on the GPU
+        # The sequences holding the page, and those of them holding it
+        # locked on the GPU, packed (``page_holds`` below).
+        ("holds", 1),
         ("pool_index", 1),  # its index in the life cycle's pool of its level
         # Its neighbours in its eviction list (kernels/lru.py), oldest
         # first; NULL when it is no candidate. A free row's ``lru_next``
@@ -212,6 +213,29 @@ def info_level(info):
 
 def info_priority(info):
     return ((info >> INFO_PRIORITY_SHIFT) & ((1 << (INFO_COVERAGE_SHIFT - INFO_PRIORITY_SHIFT)) - 1)) + PRIORITY_MIN
+
+
+# A page's ``holds``: its holders times ``ONE_HOLDER`` plus its locks, so
+# taking or dropping a hold is one addition and "nobody holds it" one
+# comparison with 0. Each count is at most the caches alive at once, which a
+# manager keeps at or below ``MAX_CACHES`` (``CachePool``): the word stays
+# below 2**31.
+HOLDS_LOCK_BITS = 16
+ONE_LOCK = 1
+ONE_HOLDER = 1 << HOLDS_LOCK_BITS
+MAX_CACHES = (1 << (31 - HOLDS_LOCK_BITS)) - 1
+
+
+def page_holds(holders, locks):
+    return holders * ONE_HOLDER + locks * ONE_LOCK
+
+
+def holds_holders(holds):
+    return holds >> HOLDS_LOCK_BITS
+
+
+def holds_locks(holds):
+    return holds & (ONE_HOLDER - 1)
 
 
 def info_coverage(info):
@@ -339,13 +363,33 @@ POLICY = Layout(
     ],
 )
 
-# Page data copies a launch decided on, carried out by the host in order
-# (DeviceTables.copies): storage addresses, so a migration is a copy too.
+# Page data copies a launch decided on, carried out by the host in order:
+# storage addresses, so a migration is a copy too. The host reads them as
+# COPIES (``Tables.read_copies``, ``page_memory.PageCopies``); the device's
+# list (DeviceTables.copies) holds COPY_RECORDS, with the life cycle and the
+# two levels packed in one word (``copy_route``).
 COPIES = Layout(
     "copies",
-    ROW_DTYPE,
+    np.int64,
     [("life_cycle", 1), ("src_level", 1), ("src_index", 1), ("dst_level", 1), ("dst_index", 1)],
 )
+COPY_RECORDS = Layout("copy_records", ROW_DTYPE, [("route", 1), ("src_index", 1), ("dst_index", 1)])
+
+
+def copy_route(life_cycle, src_level, dst_level):
+    return (life_cycle << 2) | (src_level << 1) | dst_level
+
+
+def copies_table(records: np.ndarray) -> np.ndarray:
+    """COPY_RECORDS rows (a host copy) as COPIES rows, int64."""
+    route = records[:, CREC_ROUTE].astype(np.int64)
+    out = np.empty((records.shape[0], COPIES.width), dtype=np.int64)
+    out[:, COPY_LIFE_CYCLE] = route >> 2
+    out[:, COPY_SRC_LEVEL] = (route >> 1) & 1
+    out[:, COPY_DST_LEVEL] = route & 1
+    out[:, COPY_SRC_INDEX] = records[:, CREC_SRC_INDEX]
+    out[:, COPY_DST_INDEX] = records[:, CREC_DST_INDEX]
+    return out
 
 # The eviction candidates' lists (DeviceTables.lru_lists, kernels/lru.py):
 # one row per (life cycle, cache level, held or not, priority), the ends of a
@@ -553,13 +597,12 @@ SLOT_WORD = 0
 
 PAGE_BLOCK = 0
 PAGE_INFO = 1
-PAGE_HOLDERS = 2
-PAGE_LOCKS = 3
-PAGE_POOL_INDEX = 4
-PAGE_LRU_PREV = 5
-PAGE_LRU_NEXT = 6
-PAGE_SERIAL = 7
-PAGE_LRU_TICK = 8
+PAGE_HOLDS = 2
+PAGE_POOL_INDEX = 3
+PAGE_LRU_PREV = 4
+PAGE_LRU_NEXT = 5
+PAGE_SERIAL = 6
+PAGE_LRU_TICK = 7
 FREE_ROW_NEXT = PAGE_LRU_NEXT  # a free row is no eviction candidate
 
 
@@ -604,6 +647,10 @@ COPY_SRC_LEVEL = 1
 COPY_SRC_INDEX = 2
 COPY_DST_LEVEL = 3
 COPY_DST_INDEX = 4
+
+CREC_ROUTE = 0
+CREC_SRC_INDEX = 1
+CREC_DST_INDEX = 2
 
 LRU_HEAD = 0
 LRU_TAIL = 1
@@ -723,7 +770,8 @@ def _check_columns(layout: Layout, prefix: str):
 for _layout, _prefix in (
     (BLOCKS, "BLK"), (BLOCK_IDS, "BID"), (SLOTS, "SLOT"), (PAGES, "PAGE"), (LOG, "LOG"),
     (COUNTERS, "CNT"), (POLICY, "POLICY"),
-    (COPIES, "COPY"), (LRU_LISTS, "LRU"), (LRU_GROUPS, "LG"), (SEQ_SCALARS, "Q"), (MATCH_RESULT, "RES"),
+    (COPIES, "COPY"), (COPY_RECORDS, "CREC"), (LRU_LISTS, "LRU"), (LRU_GROUPS, "LG"), (SEQ_SCALARS, "Q"),
+    (MATCH_RESULT, "RES"),
     (LANE, "LN"), (ADD_ARGS, "ADD"), (INSERT_ARGS, "INSERT"), (ADD_PAGE_ARGS, "ADD_PAGE"), (UNLINK_ARGS, "UNLINK"),
     (PAGE_ARGS, "PAGE_ARG"), (DROP_ARGS, "DROP"), (BLOCK_ARGS, "BLOCK_ARG"), (ANNOUNCE_ARGS, "ANNOUNCE"), (EVICT_ARGS, "EVICT"),
     (TREE_OUT, "OUT"), (SETUP_ARGS, "SETUP"), (RESIZE_ARGS, "RESIZE"), (CLOSE_ARGS, "CLOSE"),

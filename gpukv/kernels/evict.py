@@ -29,8 +29,6 @@ from ..core.layout import (
     PAGE_BLOCK,
     PAGE_COMMITTED,
     PAGE_FREE,
-    PAGE_HOLDERS,
-    PAGE_LOCKS,
     PAGE_LRU_TICK,
     PAGE_POOL_INDEX,
 )
@@ -43,8 +41,10 @@ from .pages import (
     can_replace_page,
     free_page,
     last_level,
+    page_holders,
     page_level,
     page_life_cycle,
+    page_locks,
     page_priority,
     page_state,
     pool_of,
@@ -62,9 +62,9 @@ def evictable(S, p):
     """(DROPPABLE and committed) or (HELD and not at the last level, committed
     or not: a suspended sequence's uncommitted pages migrate too); a LOCKED
     page never is, nor a free row."""
-    if page_state(S, p) == PAGE_FREE or S.pages[p, PAGE_LOCKS] != 0:
+    if page_state(S, p) == PAGE_FREE or page_locks(S, p) != 0:
         return False
-    if S.pages[p, PAGE_HOLDERS] == 0:
+    if page_holders(S, p) == 0:
         return page_state(S, p) == PAGE_COMMITTED  # an unheld uncommitted page is already dead
     return page_level(S, p) < last_level(S, page_life_cycle(S, p))
 
@@ -75,7 +75,7 @@ def candidate_list(S, p):
     if not evictable(S, p):
         return NULL
     group = lru_group(pool_of(page_life_cycle(S, p), page_level(S, p)),
-                      1 if S.pages[p, PAGE_HOLDERS] > 0 else 0)
+                      1 if page_holders(S, p) > 0 else 0)
     return lru_list(group, page_priority(S, p))
 
 
@@ -200,7 +200,7 @@ def make_room(S, lc, level, need):
                     S.counters[CNT_MIGRATED] += 1
                     move_page(S, v, 1)
                 continue
-            if S.pages[v, PAGE_HOLDERS] > 0:
+            if page_holders(S, v) > 0:
                 S.no_host_room[lc] = 1  # no held page can migrate during this launch
                 if level == 0:
                     S.counters[CNT_EVICTED] -= 1

@@ -17,25 +17,25 @@ from ..core.layout import (
     CNT_ERROR,
     CNT_NUM_COPIES,
     CNT_UNLINKS,
-    COPY_DST_INDEX,
-    COPY_DST_LEVEL,
-    COPY_LIFE_CYCLE,
-    COPY_SRC_INDEX,
-    COPY_SRC_LEVEL,
+    CREC_DST_INDEX,
+    CREC_ROUTE,
+    CREC_SRC_INDEX,
     ERR_COPIES_FULL,
     NULL,
     FREE_ROW_NEXT,
     PAGE_BLOCK,
     PAGE_COMMITTED,
     PAGE_FREE,
-    PAGE_HOLDERS,
+    PAGE_HOLDS,
     PAGE_INFO,
-    PAGE_LOCKS,
     PAGE_LRU_TICK,
     PAGE_POOL_INDEX,
     PAGE_SERIAL,
     SLOT_WORD,
     as_int32,
+    copy_route,
+    holds_holders,
+    holds_locks,
     info_coverage,
     info_level,
     info_priority,
@@ -52,8 +52,8 @@ from ..core.layout import (
 from .link import helper
 from .lru import lru_unlink, page_life_cycle, pool_of
 
-# core/layout.py's slot arithmetic and slot words, compiled for kernels too.
-for _f in (slot_row, slot_word, slot_page, slot_whole):
+# core/layout.py's slot arithmetic, slot words, hold counts and copy routes, compiled for kernels too.
+for _f in (slot_row, slot_word, slot_page, slot_whole, holds_holders, holds_locks, copy_route):
     helper(_f)
 del _f
 
@@ -81,6 +81,16 @@ def set_page_state(S, p, state):
 @helper
 def set_page_level(S, p, level):
     S.pages[p, PAGE_INFO] = with_level(S.pages[p, PAGE_INFO], level)
+
+
+@helper
+def page_holders(S, p):
+    return holds_holders(S.pages[p, PAGE_HOLDS])
+
+
+@helper
+def page_locks(S, p):
+    return holds_locks(S.pages[p, PAGE_HOLDS])
 
 
 @helper
@@ -151,8 +161,7 @@ def alloc_page(S, lc, level, priority):
     S.pages[p, PAGE_INFO] = page_info(PAGE_COMMITTED, level, priority)
     S.pages[p, PAGE_POOL_INDEX] = pop_storage(S, lc, level)
     S.pages[p, PAGE_BLOCK] = NULL
-    S.pages[p, PAGE_HOLDERS] = 0
-    S.pages[p, PAGE_LOCKS] = 0
+    S.pages[p, PAGE_HOLDS] = 0
     S.pages[p, PAGE_LRU_TICK] = NULL
     S.pages[p, PAGE_SERIAL] = as_int32(np.int64(S.pages[p, PAGE_SERIAL]) + 1)  # a new page in this row
     return p
@@ -178,11 +187,9 @@ def record_copy(S, lc, src_level, src_index, dst_level, dst_index):
     if k >= S.copies.shape[0]:
         S.counters[CNT_ERROR] = ERR_COPIES_FULL
         return
-    S.copies[k, COPY_LIFE_CYCLE] = lc
-    S.copies[k, COPY_SRC_LEVEL] = src_level
-    S.copies[k, COPY_SRC_INDEX] = src_index
-    S.copies[k, COPY_DST_LEVEL] = dst_level
-    S.copies[k, COPY_DST_INDEX] = dst_index
+    S.copies[k, CREC_ROUTE] = copy_route(lc, src_level, dst_level)
+    S.copies[k, CREC_SRC_INDEX] = src_index
+    S.copies[k, CREC_DST_INDEX] = dst_index
     S.counters[CNT_NUM_COPIES] = k + 1
 
 
@@ -195,7 +202,7 @@ def copy_page_data(S, src, dst):
 @helper
 def is_droppable(S, p):
     """Nobody holds the page: only the eviction controller keeps it alive."""
-    return S.pages[p, PAGE_HOLDERS] == 0 and S.pages[p, PAGE_LOCKS] == 0
+    return S.pages[p, PAGE_HOLDS] == 0
 
 
 @helper

@@ -20,10 +20,11 @@ from ..core.layout import (
     EV_STORED_LIFE_CYCLE,
     LOCK,
     NULL,
+    ONE_HOLDER,
+    ONE_LOCK,
     OUT_BLOCK,
     OUT_IS_NEW,
-    PAGE_HOLDERS,
-    PAGE_LOCKS,
+    PAGE_HOLDS,
     PAGE_UNCOMMITTED,
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_STABLE_PAGES,
@@ -132,9 +133,7 @@ def snapshot_ssm(S, Q, tb, o, c, move):
             Q.scalars[Q_SSM_PAGE] = NULL
             kind = Q.scalars[Q_SSM_KIND]
             Q.scalars[Q_SSM_KIND] = 0
-            S.pages[live, PAGE_HOLDERS] -= 1
-            if kind == LOCK:
-                S.pages[live, PAGE_LOCKS] -= 1
+            S.pages[live, PAGE_HOLDS] -= ONE_HOLDER + (ONE_LOCK if kind == LOCK else 0)
             commit_page(S, live, c)
             replace_page(S, tb, lc, live)
             schedule(S, live)

@@ -18,8 +18,9 @@ from ..core.layout import (
     NULL,
     PAGE_BLOCK,
     PAGE_COMMITTED,
-    PAGE_HOLDERS,
-    PAGE_LOCKS,
+    ONE_HOLDER,
+    ONE_LOCK,
+    PAGE_HOLDS,
     PAGE_UNCOMMITTED,
     Q_EVICT_FIRST,
     Q_NUM_BLOCKS,
@@ -30,14 +31,14 @@ from .link import helper
 from .blocks import maybe_free_orphan, page_death
 from .evict import lru_update, make_room, move_page, schedule, schedule_first
 from .index import is_attached
-from .pages import alloc_page, free_page, page_level, page_life_cycle, page_state, set_page_coverage, set_page_state
+from .pages import (
+    alloc_page, free_page, page_holders, page_level, page_life_cycle, page_locks, page_state, set_page_coverage, set_page_state,
+)
 
 
 @helper
 def hold(S, p, kind):
-    S.pages[p, PAGE_HOLDERS] += 1
-    if kind == LOCK:
-        S.pages[p, PAGE_LOCKS] += 1
+    S.pages[p, PAGE_HOLDS] += ONE_HOLDER + (ONE_LOCK if kind == LOCK else 0)
     lru_update(S, p)  # locked: no candidate; first held: among the held ones, same tick
 
 
@@ -46,11 +47,9 @@ def release(S, Q, p, kind):
     """A sequence drops its hold or lock on ``p``. An unowned uncommitted page
     dies at once; an unowned committed page stays cached (evictable) unless
     it was unlinked or its block is an orphan, in which case it dies."""
-    S.pages[p, PAGE_HOLDERS] -= 1
-    if kind == LOCK:
-        S.pages[p, PAGE_LOCKS] -= 1
-    if S.pages[p, PAGE_HOLDERS] > 0:
-        if kind == LOCK and S.pages[p, PAGE_LOCKS] == 0:
+    S.pages[p, PAGE_HOLDS] -= ONE_HOLDER + (ONE_LOCK if kind == LOCK else 0)
+    if page_holders(S, p) > 0:
+        if kind == LOCK and page_locks(S, p) == 0:
             schedule(S, p)  # held, unlocked (committed or not): evictable when a colder level exists
         return  # otherwise still held (or still locked): its candidacy is unchanged
     if page_state(S, p) == PAGE_UNCOMMITTED:
@@ -149,16 +148,16 @@ def set_all_kinds(S, Q, kind):
             p = Q.pages[o, lc]
             if p != NULL and Q.kinds[o, lc] != kind:
                 if kind == LOCK:
-                    S.pages[p, PAGE_LOCKS] += 1
+                    S.pages[p, PAGE_HOLDS] += ONE_LOCK
                     lru_update(S, p)  # locked: no candidate
                 else:
-                    S.pages[p, PAGE_LOCKS] -= 1
+                    S.pages[p, PAGE_HOLDS] -= ONE_LOCK
                 Q.kinds[o, lc] = kind
                 if kind == HOLD:
                     schedule(S, p)  # committed or not: a held page may migrate
     p = Q.scalars[Q_SSM_PAGE]
     if p != NULL and Q.scalars[Q_SSM_KIND] != kind:
-        S.pages[p, PAGE_LOCKS] += 1 if kind == LOCK else -1
+        S.pages[p, PAGE_HOLDS] += ONE_LOCK if kind == LOCK else -ONE_LOCK
         Q.scalars[Q_SSM_KIND] = kind
         if kind == HOLD:
             schedule(S, p)

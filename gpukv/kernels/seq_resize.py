@@ -15,7 +15,8 @@ from ..core.layout import (
     HOLD,
     LOCK,
     NULL,
-    PAGE_LOCKS,
+    ONE_LOCK,
+    PAGE_HOLDS,
     POLICY_COMMIT_MIN_SNAPSHOT,
     POLICY_SCRATCH_REWIND,
     Q_CAPACITY,
@@ -77,7 +78,7 @@ def unlock_stale(S, Q, new_h, release_now):
             keep = Q.tree[o] == NULL and Q.scalars[Q_COMMIT_STATE] == ALLOWED and S.policy[POLICY_COMMIT_MIN_SNAPSHOT] == 0
             if keep:
                 if Q.kinds[o, lc] == LOCK:
-                    S.pages[p, PAGE_LOCKS] -= 1
+                    S.pages[p, PAGE_HOLDS] -= ONE_LOCK
                     Q.kinds[o, lc] = HOLD
                     schedule(S, p)  # held, unlocked: it may migrate to a colder level
             elif release_now:

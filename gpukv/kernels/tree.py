@@ -49,7 +49,6 @@ from ..core.layout import (
     OUT_ROOT,
     PAGE_ARG_PAGE,
     PAGE_COMMITTED,
-    PAGE_HOLDERS,
     PAGE_SERIAL,
     UNLINK_BLOCK,
     UNLINK_EXPECTED,
@@ -68,7 +67,7 @@ from .evict import begin_launch, install_page, lru_update, make_room, schedule
 from .index import is_root
 from .link import helper, link
 from .log import announce
-from .pages import alloc_page, can_replace_page, page_of, page_state, replace_page, set_page_coverage, unlink_page
+from .pages import alloc_page, can_replace_page, page_holders, page_of, page_state, replace_page, set_page_coverage, unlink_page
 
 __all__ = ["build_tree_kernel"]  # with the OP_* codes
 
@@ -172,7 +171,7 @@ def drop_planned(S, p, serial):
     the page died meanwhile."""
     if S.pages[p, PAGE_SERIAL] != serial or page_state(S, p) != PAGE_COMMITTED:
         return
-    if S.pages[p, PAGE_HOLDERS] == 0:
+    if page_holders(S, p) == 0:
         page_death(S, p)
 
 

@@ -21,7 +21,7 @@ import pytest
 import gpukv
 import gpukv.launcher as launcher_module
 from gpukv import Attention, introspect
-from gpukv.core.layout import CNT_NUM_COPIES, COPY_WIDTH
+from gpukv.core.layout import CNT_NUM_COPIES, COPY_WIDTH, copies_table
 
 from tests.support.backends import GPU_BACKEND, make_manager
 from tests.support.engine import Engine
@@ -119,7 +119,7 @@ def _record_launch_copies(monkeypatch, mgr) -> list:
             # harness could interrupt or has hooked.
             n = int(tables.counters[CNT_NUM_COPIES])
             if n:
-                recorded.append(np.array(tables.copies[:n]))
+                recorded.append(copies_table(np.array(tables.copies[:n])))
 
     monkeypatch.setattr(launcher_module, "call_kernel", call_kernel)
     return recorded

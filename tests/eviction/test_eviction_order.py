@@ -16,7 +16,8 @@ import pytest
 
 from gpukv import Attention, introspect
 from gpukv.core.layout import (
-    INFO_HELD_SHIFT, LG_COUNT, LG_LOWEST, NULL, PAGE_HOLDERS, PAGE_INFO, PAGE_LOCKS, PAGE_LRU_PREV, PAGE_LRU_TICK,
+    INFO_HELD_SHIFT, LG_COUNT, LG_LOWEST, NULL, PAGE_HOLDS, PAGE_INFO, PAGE_LRU_PREV, PAGE_LRU_TICK,
+    page_holds,
 )
 
 from tests.support.backends import make_manager
@@ -294,8 +295,7 @@ def _corrupt_bound(mgr):
 
 def _corrupt_candidate(mgr):
     p = introspect.eviction_order(mgr, 0)[0]
-    mgr._tables.pages[p, PAGE_LOCKS] = 1  # a locked page left listed
-    mgr._tables.pages[p, PAGE_HOLDERS] = 1
+    mgr._tables.pages[p, PAGE_HOLDS] = page_holds(1, 1)  # a locked page left listed
 
 
 def _corrupt_link(mgr):
