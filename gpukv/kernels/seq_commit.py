@@ -74,16 +74,21 @@ def tree_parent(S, Q, o, out):
     """The tree parent of ordinal ``o``: the scope's root or committed block
     ``o - 1``. A committed ancestor chain that was detached meanwhile is
     re-attached first (as newer reference versions do), so a new block
-    never lands under an orphan."""
-    root = get_or_create_root(S, Q.scalars[Q_SCOPE_ID], Q.scalars[Q_SCOPE_KEY], Q.scope_digest)
-    if o == 0:
-        return root
-    if is_attached(S, Q.tree[o - 1]):
+    never lands under an orphan.
+
+    The root is looked up only where it becomes the parent: an attached
+    block's ancestors are all attached (a root goes with its last child), so
+    an attached ``o - 1`` or ``k - 1`` implies the root exists and the
+    lookup, a bucket walk per block, would only confirm it."""
+    if o > 0 and is_attached(S, Q.tree[o - 1]):
         return Q.tree[o - 1]
-    k = o - 1  # find the first detached ancestor
+    k = max(o - 1, 0)  # find the first detached ancestor (none for o == 0)
     while k > 0 and not is_attached(S, Q.tree[k - 1]):
         k -= 1
-    parent = root if k == 0 else Q.tree[k - 1]
+    if k == 0:
+        parent = get_or_create_root(S, Q.scalars[Q_SCOPE_ID], Q.scalars[Q_SCOPE_KEY], Q.scope_digest)
+    else:
+        parent = Q.tree[k - 1]
     T = S.tokens.shape[1]
     while k < o:
         tb = Q.tree[k]
