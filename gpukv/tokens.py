@@ -4,9 +4,11 @@ A token is an int in ``0..2**31-1`` or a 32-byte multimodal digest; digests are
 interned by the tables and stand in the arrays as negative ids. Errors name the
 request index and the position of the bad token.
 
-Python lists go through ``struct.pack_into``: it converts in C and rejects
-non-integers and values outside int32 on the way, so validation costs one
-vectorized sign check on top of the conversion itself. ``struct`` takes a bool
+A 1-D int32 array (an engine's prompt, chunk by chunk) is used as it is, its
+sign the only check. Python lists go through ``struct.pack_into``: it
+converts in C and rejects non-integers and values outside int32 on the way,
+so validation costs one vectorized sign check on top of the conversion
+itself. ``struct`` takes a bool
 as the int it subclasses; a bool array is rejected by its dtype, so a bool in
 a list is rejected too: only the few positions that hold 0 or 1 are looked at.
 
@@ -65,6 +67,7 @@ _PLAIN_INTS = frozenset({int})
 # An array this short is checked as a list: a NumPy reduction's fixed cost is
 # several times that of converting a few ints.
 _SHORT_ARRAY = 16
+_INT32 = np.dtype(np.int32)  # native int32, the dtype object its arrays share (any other: the general way)
 
 
 def token_array(tokens, intern: Callable[[bytes], int], request: int | None = None) -> np.ndarray:
@@ -76,6 +79,13 @@ def tokens_and_digests(tokens, intern: Callable[[bytes], int], request: int | No
     """``(token_array(...), whether it holds digests that ``intern`` gave)``:
     only a sequence of more than ints can hold any, so a caller that looked
     digests up and must intern them later never searches the array for them."""
+    if type(tokens) is np.ndarray and tokens.dtype is _INT32 and tokens.ndim == 1 and tokens.size > _SHORT_ARRAY:
+        # A prefill's chunk, as an engine keeps its prompts: what
+        # ``_from_ndarray`` checks of it is only the sign (no int32 passes
+        # MAX_TOKEN_ID), and it is the array as it is. A negative token
+        # goes on to it, which names the position.
+        if least(tokens) >= 0:
+            return tokens, False
     if type(tokens) is ValidTokens:
         return tokens.array, False  # digests there are interned already
     if isinstance(tokens, np.ndarray):
