@@ -160,9 +160,9 @@ def append_rules(n0, state, cap, h, full, nb, seen, count, end, room, held, T, L
     # A room no pool could ever give is not asked for, as resize refuses it
     # before the launch; the commit goes ahead.
     resizing = want > cap and not end
-    can_grow = can_hold(hold, T, nb, blocks, max(h, n1), max_blocks)
+    can_grow = resizing and can_hold(hold, T, nb, blocks, max(h, n1), max_blocks)  # asked only when it matters
     done = can_grow or not resizing
-    resizing = resizing and can_grow
+    resizing = can_grow
     grows = n1 // T > full or end or (min_snapshot and n1 % T != 0)
     committed = (n1 + (T - 1)) // T if some else nb
     whole = some and seen == held
