@@ -17,7 +17,9 @@ through the same steps, each written once:
     launch   ask the priority callbacks, reserve room (the segments, free
              block rows, the change log), set the kernel arguments, launch,
              read the caches' scalars back: ``CacheCalls._reserve_and_launch``,
-             the one place that reserves table room
+             the one place that reserves table room (a per-cache append
+             that finds the rest there already makes the change log's on
+             its flat way: ``_append_one``)
 
 A call's values are ints for one cache and int64 arrays for many, and one
 expression serves both (the helpers below, ``_any`` to ``_select``, are the
@@ -27,7 +29,10 @@ cache's ints (``core/call_room.py``): Python for one cache, one compiled
 loop over the caches' scalars for many. A per-cache call, which an engine's
 scheduler makes hundreds of times per step, thus costs its checks in plain
 Python and one launch, with no array built for it; a batched call of one
-cache takes the same fast path.
+cache takes the same fast path. A per-cache append or commit (a prefill's
+chunk, a decode step) that needs no room made but the change log's skips the
+general launch's steps altogether: the rules, the checks that each step
+would do nothing, the compiled call and its aftermath in one short way.
 
 The result of a batched call equals issuing the per-cache calls one by one in
 the order given: the kernel runs the same per-cache code on each cache in
@@ -81,6 +86,7 @@ from .core.layout import (
     BATCH_TOKENS,
     BATCH_WIDTH,
     CLOSED,
+    CNT_BLOCK_FREE_TOP,
     Q_CAPACITY,
     Q_COMMIT_STATE,
     Q_COMMITTED,
@@ -275,6 +281,7 @@ class CacheCalls:
         self.L = len(ctx.config.life_cycles)
         self._stats = stats  # callable: the manager's current ReuseStats
         self._min_snapshot = bool(ctx.config.commit_min_snapshot)
+        self._on_gpu = ctx.tables.backend.on_gpu
 
     def _scalars(self, slots, *columns) -> list:
         """The caches' scalars ``columns`` (``Q_*``): arrays for many caches,
@@ -312,23 +319,25 @@ class CacheCalls:
         return bool(self._resize(_RESIZE, slot, cap, hist))
 
     def commit_one(self, slot: int, tokens, is_end):
-        _COMMIT.require(self.pool.host_scalars[slot, Q_STATUS], ACTIVE)
+        q = self.pool.host_scalars[slot].tolist()  # the cache's scalars, Python ints (``_append_one``'s rules)
+        _COMMIT.require(q[Q_STATUS], ACTIVE)
         if not isinstance(is_end, (bool, np.bool_)):
             raise TypeError(f"is_end must be a bool, got {is_end!r}")
         # Digests are only looked up until every check has passed, so a
         # rejected commit interns nothing.
         arr, digests = tokens_and_digests(tokens, self.tables.lookup_digest)
         interned = (lambda: token_array(tokens, self.tables.intern_digest)) if digests else None
-        self._append_one(_COMMIT, slot, arr, len(arr), bool(is_end), 0, interned)
+        self._append_one(_COMMIT, slot, q, arr, len(arr), bool(is_end), 0, interned)
 
     def append_one(self, slot: int, tokens, room, is_end) -> bool:
-        _APPEND.require(self.pool.host_scalars[slot, Q_STATUS], ACTIVE)
+        q = self.pool.host_scalars[slot].tolist()
+        _APPEND.require(q[Q_STATUS], ACTIVE)
         room = inputs.non_negative_int("room", room)
         if not isinstance(is_end, (bool, np.bool_)):
             raise TypeError(f"is_end must be a bool, got {is_end!r}")
         arr, digests = tokens_and_digests(tokens, self.tables.lookup_digest)
         interned = (lambda: token_array(tokens, self.tables.intern_digest)) if digests else None
-        return self._append_one(_APPEND, slot, arr, len(arr), bool(is_end), room, interned)
+        return self._append_one(_APPEND, slot, q, arr, len(arr), bool(is_end), room, interned)
 
     def stop_one(self, slot: int):
         status, nb = self._scalars(slot, Q_STATUS, Q_NUM_BLOCKS)
@@ -505,7 +514,9 @@ class CacheCalls:
         end = _flag(is_end, n, "is_end", naming.call)
         flat, offsets, interned = self._tokens(tokens, n, naming.call)
         if n == 1:
-            self._append_one(naming, int(slots[0]), flat, int(offsets[1]), bool(_at(end, 0)), 0, interned)
+            s = int(slots[0])
+            self._append_one(naming, s, self.pool.host_scalars[s].tolist(), flat, int(offsets[1]), bool(_at(end, 0)),
+                             0, interned)
         elif n:
             self._append_many(naming, slots, flat, offsets, end, 0, interned)
 
@@ -521,8 +532,9 @@ class CacheCalls:
         end = _flag(is_end, n, "is_end", naming.call)
         flat, offsets, interned = self._tokens(tokens, n, naming.call)
         if n == 1:  # a prefill chunk's: the per-cache path
-            return np.array([self._append_one(naming, int(slots[0]), flat, int(offsets[1]), bool(_at(end, 0)),
-                                              int(_at(room, 0)), interned)])
+            s = int(slots[0])
+            return np.array([self._append_one(naming, s, self.pool.host_scalars[s].tolist(), flat, int(offsets[1]),
+                                              bool(_at(end, 0)), int(_at(room, 0)), interned)])
         if not n:
             return np.zeros(0, dtype=bool)
         return self._append_many(naming, slots, flat, offsets, end, room, interned)
@@ -702,30 +714,53 @@ class CacheCalls:
                       pool.max_blocks, out)
         return out
 
-    def _append_one(self, naming, slot: int, flat, count: int, end: bool, room: int, interned) -> bool:
+    def _append_one(self, naming, slot: int, q: list, flat, count: int, end: bool, room: int, interned) -> bool:
         """``append`` of the ``count`` tokens ``flat`` to the cache in
-        ``slot``, ``end`` its ``is_end``: the commit, then, unless it ends, a
-        resize to whole blocks past ``room`` more tokens where the capacity is
-        short, the history as the commit leaves it; in one launch (a commit
-        is an append of room 0). True where the room is there, False where a
-        pool was short for it: the commit stays and the capacity is as it
-        was, as ``commit`` then ``resize`` one by one leave them.
-        ``interned()``: ``flat`` again with its digests interned (None: it
-        holds none). The checks and the room are ``call_room.append_rules``,
-        on the cache's ints."""
+        ``slot`` (``q``: its scalars, as a list of ints), ``end`` its
+        ``is_end``: the commit, then, unless it ends, a resize to whole
+        blocks past ``room`` more tokens where the capacity is short, the
+        history as the commit leaves it; in one launch (a commit is an append
+        of room 0). True where the room is there, False where a pool was
+        short for it: the commit stays and the capacity is as it was, as
+        ``commit`` then ``resize`` one by one leave them. ``interned()``:
+        ``flat`` again with its digests interned (None: it holds none). The
+        checks and the room are ``call_room.append_rules``, on the cache's
+        ints.
+
+        The launch takes a flat way when it needs nothing made ready (a
+        prefill's chunk and a decode step, off the GPU, mostly do): no
+        digests to intern, no aftermath pending, the segment and the known
+        priorities reach the blocks, and the free block rows are there. Then
+        of ``_reserve_and_launch``'s steps only the change log's room is left
+        (``Tables.ensure_log``), and the launch is
+        ``CachePool.launch_commit_one``'s. Else the general way. Each step of
+        the general way that the flat one leaves out would have had nothing
+        to do, so both change the same tables."""
         pool = self.pool
-        q = pool.host_scalars[slot].tolist()
+        launcher = self.launcher
         error, run, done, resizing, blocks, grows, rows, announced, span, allocated, room, n0 = append_rules(
             q[Q_COMMITTED], q[Q_COMMIT_STATE], q[Q_CAPACITY], q[Q_HISTORY], q[Q_COMMITTED_BLOCKS], q[Q_NUM_BLOCKS],
-            int(pool.attached_at[slot]), count, end, room, self.launcher.held_detaches, self.T, self.L,
+            int(pool.attached_at[slot]), count, end, room, launcher.held_detaches, self.T, self.L,
             self._min_snapshot, pool.hold_rules, pool.max_blocks, pool.scratch_width)
         if error:
             self._refuse_commit(naming, slot, error, count)
         if not run:
             return done
+        seg = pool.seg
+        if (interned is None and not launcher.pending and not self._on_gpu
+                and (not resizing or blocks <= seg[slot, 1] and blocks <= pool.priorities_known[slot])
+                and (not rows or self.tables.counters[CNT_BLOCK_FREE_TOP] >= rows)):
+            before = launcher.held_detaches
+            self.tables.ensure_log(log_blocks(span, pool.scratch_width, allocated), announced, settled=True)
+            pool.launch_commit_one(launcher, slot, SEQ_APPEND, (n0, count, end, room), flat)
+            # No segment rows were reserved: a refused room has none to trim.
+            ok = pool.host_scalars[slot, Q_RESULT] != 0
+            if grows and self._seen_whole(before) >= 0:
+                pool.attached_at[slot] = before
+            return bool(done and ok)
         if interned is not None:
             flat = interned()
-        reserved = int(pool.seg[slot, 1])
+        reserved = int(seg[slot, 1])
         before = self._detaches()
         blocks = blocks if resizing else None  # else it holds its blocks already: no segment rows or priorities
         self._reserve_and_launch(naming, slot, SEQ_APPEND, (n0, count, end, room), segment=blocks, priorities=blocks,

@@ -70,6 +70,8 @@ assert (BATCH_SLOT, BATCH_OP, BATCH_TOKENS, BATCH_PATH, BATCH_ARGS) == (0, 1, 2,
 _WORK_ROW = struct.Struct(f"={BATCH_WIDTH}q")
 _WORK_ENDS = struct.Struct("=2q")
 _WORK_ENDS_AT = 8 * (BATCH_WIDTH + BATCH_TOKENS)
+# Both rows in one store, up to row 1's path end (its slot and op written 0, as they stay).
+_WORK_ONE = struct.Struct(f"={BATCH_WIDTH + BATCH_PATH + 1}q")
 _NO_ARGS = (0,) * SEQ_ARGS_WIDTH
 
 
@@ -610,11 +612,7 @@ class CachePool:
         # pick the same code again: that code is called directly. The first
         # launch after either changed (or after an aftermath cut short) goes
         # through the dispatcher and learns anew.
-        known = self._compiled.get(kernel)
-        if known is not None and known[0] is launcher.tables.device and known[1] is self.arrays and not launcher.pending:
-            run = known[2]
-        else:
-            run = kernel
+        run = self._known_code(launcher, kernel) or kernel
         launcher.launch(
             run, self.arrays, b.to_device(work) if self._on_gpu else work,
             self._no_tokens if tokens is None else self._kernel_input(tokens, np.int32),
@@ -623,6 +621,33 @@ class CachePool:
         )
         if run is kernel:
             self._learn_compiled(launcher, kernel)
+
+    def launch_commit_one(self, launcher, slot: int, op: int, args: tuple, tokens) -> None:
+        """``launch_calls`` of one commit-kernel call ``op`` on ``slot`` (all
+        ``SEQ_ARGS_WIDTH`` of its ``args``) with input ``tokens``, no matched
+        path and no results step (off the GPU the scalars are read in place),
+        in one short step while the code the kernel ran last still serves
+        (``_known_code``): the work list in one store, that code called
+        through the launch protocol (``Launcher.launch``) as ``_launch_work``
+        calls it. Otherwise the general way. A per-cache append's launch
+        (``CacheCalls._append_one``)."""
+        code = None if self._on_gpu or self._synced_seg is not self.seg else self._known_code(
+            launcher, self.kernels.commit)
+        if code is None:
+            self.launch_calls(launcher, slot, op, args, tokens)
+            return
+        work = self._work1
+        _WORK_ONE.pack_into(work, 0, slot, op, 0, 0, *args, 0, 0, len(tokens), 0)
+        launcher.launch(code, self.arrays, work, self._kernel_input(tokens, np.int32), self._no_path)
+
+    def _known_code(self, launcher, kernel):
+        """The compiled code ``kernel`` ran at its last dispatched launch, when
+        the tables and the pool are still the very objects it was typed on and
+        no aftermath is pending (else None: the dispatcher picks the code)."""
+        known = self._compiled.get(kernel)
+        if known is not None and known[0] is launcher.tables.device and known[1] is self.arrays and not launcher.pending:
+            return known[2]
+        return None
 
     def _learn_compiled(self, launcher, kernel):
         """After a dispatched launch: the code it ran and the arguments it was

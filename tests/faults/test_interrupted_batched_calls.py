@@ -27,6 +27,7 @@ import gc
 import random
 import weakref
 
+import numpy as np
 import pytest
 
 import gpukv
@@ -287,6 +288,43 @@ def test_a_creation_interrupted_at_any_line_leaks_no_pool_slot():
     assert interrupted >= 50, interrupted
     gc.collect()
     assert mgr._pool.slots_in_use() == 0
+    mgr.shutdown()
+
+
+def test_an_append_interrupted_at_any_line_commits_its_tokens_or_none():
+    """A per-cache append on its flat way (``CacheCalls._append_one``: the
+    rules, the change log's room, the compiled call, its aftermath) cut
+    short before each line of it in turn, chunk after chunk of a prefill:
+    the launch committed the chunk, with its room, or nothing changed; the
+    tables pass their checks, and the next append carries on from there."""
+    mgr = make_manager("cpu", tokens_per_block=T, pages_per_life_cycle=1024)
+    pool = mgr._pool
+    flat = []
+    launch_commit_one = pool.launch_commit_one
+    pool.launch_commit_one = lambda *args: flat.append(1) or launch_commit_one(*args)
+    prompt = np.arange(1, 2000, dtype=np.int32)  # an int32 array: the tokens' own fast way too
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(6)
+    assert kv.append(prompt[:6], room=6)  # uninterrupted: the kernel's first call loads it
+    n, k, interrupted, sweeps = 6, 1, 0, 0
+    while sweeps < 4:
+        n1 = n + 6
+        got, fired = run_interrupted_at_line(k, lambda: kv.append(prompt[n:n1], room=6))
+        introspect.check_sanity(mgr)
+        assert not mgr._launcher.pending, f"interrupted at {fired}"
+        assert kv.num_committed_tokens in (n, n1), f"interrupted at {fired}"
+        if kv.num_committed_tokens == n1:  # a later line: the next chunk goes on from there
+            assert kv.capacity >= n1 + 6, f"interrupted at {fired}"
+            n = n1
+        assert (got is None) == bool(fired)
+        interrupted += bool(fired)
+        sweeps += not fired
+        k = k + 1 if fired else 1  # a run went through: every line of the way was cut once
+    assert interrupted >= 4 * 20 and len(flat) >= 20, (interrupted, len(flat))
+    again = mgr.create_kv_cache(input_tokens=prompt[:n + 1])
+    assert again.num_committed_tokens == n // T * T
+    mgr.close_batch([kv, again])
+    introspect.check_sanity(mgr)
     mgr.shutdown()
 
 
