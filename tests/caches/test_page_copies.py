@@ -102,8 +102,9 @@ def test_taken_copies_match_page_memory_cudasim():
 
 
 def _record_launch_copies(monkeypatch, mgr) -> list:
-    """The copies every launch's kernel recorded, read right after the kernel
-    (the truth a lost or repeated copy is measured against)."""
+    """The copy records (``layout.COPY_RECORDS``) every launch's kernel
+    wrote, read right after the kernel (the truth a lost or repeated copy is
+    measured against)."""
     recorded = []
     original = launcher_module.call_kernel
     tables = mgr._tables
@@ -119,7 +120,7 @@ def _record_launch_copies(monkeypatch, mgr) -> list:
             # harness could interrupt or has hooked.
             n = int(tables.counters[CNT_NUM_COPIES])
             if n:
-                recorded.append(copies_table(np.array(tables.copies[:n])))
+                recorded.append(np.array(tables.copies[:n]))  # decoded after the run (copies_table is gpukv's)
 
     monkeypatch.setattr(launcher_module, "call_kernel", call_kernel)
     return recorded
@@ -134,7 +135,7 @@ def test_faults_lose_and_repeat_no_copy(monkeypatch, config, seed):
     w.engine.sync()
     fired = w.faults.fired
     assert fired["line"] >= 15 and fired["hook"] >= 3, fired
-    expected = _table(recorded)
+    expected = _table([copies_table(records) for records in recorded])
     assert len(expected) >= 10, f"too few copies to say anything ({len(expected)})"
     applied = w.engine.applied_table()
     if not np.array_equal(applied, expected):
