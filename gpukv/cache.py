@@ -97,7 +97,7 @@ class KVCache:
         self._views = None  # (pool generation, SeqTables views)
         self._backend = ctx.tables.backend
         self._T = ctx.config.tokens_per_block
-        weakref.finalize(self, ctx.pool.release, slot, self._serial)
+        ctx.pool.finalizers[slot] = weakref.finalize(self, ctx.pool.release, slot, self._serial)
 
     @property
     def _q(self):

@@ -20,7 +20,9 @@ then), or by the call that took it when that call never made its cache.
 A slot is in use exactly while ``serial`` holds its cache's serial (-1:
 free); taking and giving back a slot are each one store into it, so an
 exception (an interrupt) anywhere around them leaves every slot either free
-or listed for its giving back, never lost.
+or listed for its giving back, never lost. A finalizer an interrupt cuts
+short before it lists its slot leaves the slot looking taken; the pass over
+the slots that runs when no listed slot is free finds it (``_reclaim_lost``).
 
 A slot is named by an int (a call on one cache) or an int64 array of them (a
 batched call); every method that takes ``slots`` takes either, so the calls
@@ -146,6 +148,9 @@ class CachePool:
         # The priority callback of each slot's cache, until the cache closes
         # (a callback that refers to its cache would otherwise keep it alive).
         self.callbacks: list = []
+        # The finalizer of each slot's cache (None: no cache made yet), which
+        # gives the slot back when the cache is collected.
+        self.finalizers: list = []
         self._released: list[tuple] = []  # (slot, serial) given back (appended from finalizers too)
         # Free slots, a min-heap: an allocation takes the lowest without a
         # pass over every slot. ``serial`` stays the truth; an entry whose
@@ -240,7 +245,9 @@ class CachePool:
         while len(picked) < n:
             if not free:
                 # Every listed slot is taken: list the free ones again (any
-                # an exception left out), and grow when there are too few.
+                # an exception left out, and any whose giving back one lost),
+                # and grow when there are too few.
+                self._reclaim_lost()
                 free[:] = [s for s in np.flatnonzero(serial < 0).tolist() if s not in seen]
                 heapq.heapify(free)
                 if len(free) < n - len(picked):
@@ -258,6 +265,18 @@ class CachePool:
                 picked.append(s)
                 seen.add(s)
         return picked
+
+    def _reclaim_lost(self) -> None:
+        """Give back the slots whose cache is gone but whose giving back was
+        lost: an exception (an interrupt) inside the finalizer, before its
+        one append. A pass over the slots, made only when no listed slot is
+        free. Calls run one at a time, so a slot taken by a call that made no
+        cache yet has no finalizer here."""
+        lost = [s for s, fin in enumerate(self.finalizers) if fin is not None and not fin.alive and self.serial[s] >= 0]
+        for s in lost:
+            self.release(s, int(self.serial[s]))
+        if lost:
+            self._take_released()
 
     def release(self, slot: int, serial: int) -> None:
         """The cache of ``slot`` (of serial ``serial``) is gone (a finalizer:
@@ -286,6 +305,7 @@ class CachePool:
             self.seg[s] = 0
             self._synced_seg = None
             self.callbacks[s] = None
+            self.finalizers[s] = None
             self.serial[s] = -1  # free from here
             heapq.heappush(self._free, s)
         del released[:k]
@@ -343,6 +363,7 @@ class CachePool:
         attached_at = np.full(n, -1, dtype=np.int64)
         attached_at[:old] = self.attached_at
         callbacks = self.callbacks + [None] * (n - old)
+        finalizers = self.finalizers + [None] * (n - old)
         arrays = (self.arrays or SeqPool(**{f: None for f in SeqPool._fields}))._replace(**fresh)
         host = fresh["scalars"]
         if b.on_gpu:
@@ -352,8 +373,8 @@ class CachePool:
         # One step, so an exception anywhere in this method leaves the pool
         # either as it was or grown; ``host_scalars``: the scalars as last read
         # back (the device array itself off the GPU).
-        self.arrays, self.host_scalars, self.seg, self.serial, self.priorities_known, self.callbacks, self.attached_at = (
-            arrays, host, seg, serial, known, callbacks, attached_at)
+        (self.arrays, self.host_scalars, self.seg, self.serial, self.priorities_known, self.callbacks, self.finalizers,
+         self.attached_at) = (arrays, host, seg, serial, known, callbacks, finalizers, attached_at)
         self._free.extend(range(old, n))  # above every listed slot: still a heap
         self._sync_seg()
         self.gen += 1

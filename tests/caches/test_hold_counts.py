@@ -73,3 +73,27 @@ def _refuses_past(mgr, limit: int):
 
 def test_a_manager_refuses_a_cache_past_its_limit_and_changes_nothing():
     _refuses_past(_manager(), MAX_CACHES)  # every cache holding the same two pages
+
+
+def test_a_slot_whose_giving_back_an_interrupt_lost_is_reclaimed_when_slots_run_out(monkeypatch):
+    mgr = _manager()
+    kv = mgr.create_kv_cache(seq(0))
+    pool, slot = kv._pool, kv._slot
+    interrupted = []
+
+    class InterruptedOnce(list):
+        def append(self, item):  # the finalizer's one append, cut short before it lands
+            pool._released = []
+            raise KeyboardInterrupt
+
+    kv.close()
+    pool._released = InterruptedOnce()
+    monkeypatch.setattr("sys.unraisablehook", lambda u: interrupted.append(u.exc_type))
+    del kv
+    gc.collect()
+    assert interrupted == [KeyboardInterrupt] and pool.serial[slot] >= 0  # lost: the slot still looks taken
+    kept = [mgr.create_kv_cache() for _ in range(pool.serial.size - 1)]  # every other slot
+    assert slot not in {kv._slot for kv in kept}
+    again = mgr.create_kv_cache()  # no listed slot is free: the lost one is found and given back
+    assert again._slot == slot and pool.serial.size == len(kept) + 1  # reused, not grown
+    introspect.check_sanity(mgr)
