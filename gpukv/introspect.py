@@ -38,6 +38,7 @@ from .core.layout import (
     BLOCKS,
     CNT_DETACHES,
     EMPTY_SLOT,
+    FREE_ROW_NEXT,
     FLAG_ATTACHED,
     FLAG_IN_USE,
     FLAG_ROOT,
@@ -50,7 +51,6 @@ from .core.layout import (
     LRU_LISTS,
     LRU_TAIL,
     NULL,
-    FREE_ROW_NEXT,
     PAGE_BLOCK,
     PAGE_COMMITTED,
     PAGE_FREE,
@@ -492,9 +492,9 @@ def check_sanity(mgr):
             c = raw[c, BLK_NEXT_SIBLING]
         # Linked back: each child's prev_sibling names the one before it, the
         # first child's the last.
-        if kids and [int(raw[k, BLK_PREV_SIBLING]) for k in kids] != kids[-1:] + kids[:-1]:
-            fail(2, f"row {p}'s children {kids} are linked back as "
-                    f"{[int(raw[k, BLK_PREV_SIBLING]) for k in kids]}")
+        back = [int(raw[k, BLK_PREV_SIBLING]) for k in kids]
+        if back != kids[-1:] + kids[:-1]:
+            fail(2, f"row {p}'s children {kids} are linked back as {back}")
         seqs = [tuple(toks[k, : info_num_tokens(raw[k, BLK_INFO])]) for k in kids]
         if len(set(seqs)) != len(seqs):
             fail(4, f"row {p} has two children with the same tokens")
@@ -563,7 +563,7 @@ def _check_eviction_lists(mgr, pages, page_lc, listed_in, fail):
         p = int(wrong[0])
         fail(9, f"page {p} is in eviction list {listed_in[p]} but belongs in {want[p]} "
                 f"({'a candidate' if evictable[p] else 'no candidate'})")
-    free = info_state(pages[:, PAGE_INFO]) == PAGE_FREE  # its lru_next links the free rows
+    free = state == PAGE_FREE  # a free row's lru_next links the free rows
     unlisted = (want == NULL) & ((pages[:, PAGE_LRU_PREV] != NULL) | ((pages[:, PAGE_LRU_NEXT] != NULL) & ~free))
     if unlisted.any():
         fail(9, f"page {int(np.nonzero(unlisted)[0][0])} is in no eviction list but has list neighbours")

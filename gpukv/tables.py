@@ -12,13 +12,13 @@ Pages are records with a stable row (what sequences and tree slots refer to)
 and a storage slot in one of the fixed pools, one pool per (life cycle, cache
 level). A page migrating between levels keeps its row and changes its storage
 slot. Each life cycle owns a contiguous stretch of page rows (as many as its
-pools have slots together) with a free-row stack; each pool has a stack of free
-storage indices. The eviction controller's lists of candidates live here too
+pools have slots together), its free ones linked through the rows themselves;
+each pool has a stack of free storage indices. The eviction controller's lists of candidates live here too
 (their links are columns of the page rows); only the kernels change them.
 
 Just over 500 lines because one class owns every array and so every rule
-that replaces one (allocation, doubling, the log's and copy list's sizing,
-the interned multimodal digests): the kernels' table tuple is rebuilt in
+that replaces or rewrites one (allocation, doubling, the log's and copy
+list's sizing, the interned multimodal digests, the LRU ticks' renumbering): the kernels' table tuple is rebuilt in
 one place when any of them changes (``device``).
 """
 
@@ -65,9 +65,9 @@ from .core.layout import (
     LOG,
     LRU_GROUPS,
     LRU_LISTS,
+    FREE_ROW_NEXT,
     NULL,
     PAGE_COMMITTED,
-    FREE_ROW_NEXT,
     PAGE_HOLDS,
     PAGE_INFO,
     PAGE_FREE,
@@ -83,8 +83,8 @@ from .core.layout import (
     ROW_DTYPE,
     SLOTS,
     PAGE_SERIAL,
-    info_state,
     copies_table,
+    info_state,
     page_info,
 )
 
